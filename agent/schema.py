@@ -1,0 +1,219 @@
+"""The data contract of mfuwatch: metric names and the measurement dataclasses.
+
+Everything that leaves the agent goes through the names and types defined here:
+the Prometheus exporter, the local JSONL timeline, the alert engine
+(:mod:`mfuwatch.alerts` is handed these dataclasses and never reaches into the
+agent), the Grafana dashboards and the generated Prometheus alerting rules.
+This module imports nothing heavier than the standard library, so the alert
+and report command lines can read it without importing torch.
+
+Definitions (as in ``DESIGN.md``):
+
+* **MFU** = model FLOPs per step / step time / peak FLOP/s of one GPU for the
+  training dtype, per rank. Model FLOPs count the forward and backward of the
+  model as written, without activation recomputation (PaLM, Chowdhery et al.
+  2022, appendix B). **HFU** counts the FLOPs actually executed,
+  recomputation included.
+* **Arithmetic intensity** of a kernel = FLOPs / bytes moved to and from device
+  memory. **Machine balance** = peak FLOP/s / peak memory bandwidth.
+  A kernel below the balance is **memory-bound**.
+* **Memory-bound share** = GPU time in memory-bound kernels / GPU busy time in
+  a profiler window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+PREFIX = "mfuwatch_"
+
+
+class M:
+    """Metric names (full Prometheus names, ``mfuwatch_`` prefix, base units in the name).
+
+    Every series carries the labels ``run`` and ``rank``; extra labels are listed
+    in :data:`EXTRA_LABELS`. Histograms and counters are named as Prometheus
+    exposes them (``_total`` for counters; the histogram's base name, whose
+    ``_bucket``/``_sum``/``_count`` series the exporter adds).
+    """
+
+    RUN_INFO = PREFIX + "run_info"
+    MFU = PREFIX + "mfu_ratio"
+    HFU = PREFIX + "hfu_ratio"
+    MODEL_FLOPS_PER_SECOND = PREFIX + "model_flops_per_second"
+    PEAK_FLOPS_PER_SECOND = PREFIX + "peak_flops_per_second"
+    TOKENS_PER_SECOND = PREFIX + "tokens_per_second"
+    STEP_DURATION_SECONDS = PREFIX + "step_duration_seconds"  # histogram
+    LAST_STEP_DURATION_SECONDS = PREFIX + "last_step_duration_seconds"
+    STEPS_TOTAL = PREFIX + "steps_total"
+    TOKENS_TOTAL = PREFIX + "tokens_total"
+    LAST_STEP_TIMESTAMP_SECONDS = PREFIX + "last_step_timestamp_seconds"
+    # profiler windows
+    GPU_TIME_SHARE = PREFIX + "gpu_time_share_ratio"  # {category}
+    MEMORY_BOUND_SHARE = PREFIX + "memory_bound_share_ratio"
+    OP_GPU_TIME_SHARE = PREFIX + "op_gpu_time_share_ratio"  # {op,bound}
+    SUGGESTION_EXPECTED_GAIN = PREFIX + "suggestion_expected_gain_ratio"  # {kernel}
+    PROFILE_WINDOWS_TOTAL = PREFIX + "profile_windows_total"  # {outcome}
+    KERNELS_PER_STEP = PREFIX + "kernels_per_step"
+    MEAN_KERNEL_DURATION_SECONDS = PREFIX + "mean_kernel_duration_seconds"
+    # NVML
+    GPU_UTILIZATION = PREFIX + "gpu_utilization_ratio"
+    GPU_MEMORY_UTILIZATION = PREFIX + "gpu_memory_bandwidth_utilization_ratio"
+    GPU_SM_CLOCK_HERTZ = PREFIX + "gpu_sm_clock_hertz"
+    GPU_POWER_WATTS = PREFIX + "gpu_power_watts"
+    GPU_POWER_LIMIT_WATTS = PREFIX + "gpu_power_limit_watts"
+    GPU_TEMPERATURE_CELSIUS = PREFIX + "gpu_temperature_celsius"
+    GPU_MEMORY_USED_BYTES = PREFIX + "gpu_memory_used_bytes"
+    GPU_MEMORY_TOTAL_BYTES = PREFIX + "gpu_memory_total_bytes"
+    GPU_ENERGY_JOULES_TOTAL = PREFIX + "gpu_energy_joules_total"
+    GPU_CLOCK_EVENT_REASON = PREFIX + "gpu_clock_event_reason"  # {reason}
+    GPU_SM_ACTIVE = PREFIX + "gpu_sm_active_ratio"
+    GPU_TENSOR_ACTIVE = PREFIX + "gpu_tensor_active_ratio"
+    GPU_DRAM_ACTIVE = PREFIX + "gpu_dram_active_ratio"
+    GPU_XID_ERRORS_TOTAL = PREFIX + "gpu_xid_errors_total"
+    GPU_ECC_ERRORS_TOTAL = PREFIX + "gpu_ecc_errors_total"  # {type}
+    # the agent itself and the notifiers
+    AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
+    NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
+    ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
+
+
+#: The labels every series carries.
+BASE_LABELS = ("run", "rank")
+
+#: Labels beyond ``run``/``rank`` for the metrics that have them.
+EXTRA_LABELS: Dict[str, tuple] = {
+    M.GPU_TIME_SHARE: ("category",),
+    M.OP_GPU_TIME_SHARE: ("op", "bound"),
+    M.SUGGESTION_EXPECTED_GAIN: ("kernel",),
+    M.PROFILE_WINDOWS_TOTAL: ("outcome",),
+    M.GPU_CLOCK_EVENT_REASON: ("reason",),
+    M.GPU_ECC_ERRORS_TOTAL: ("type",),
+    M.AGENT_ERRORS_TOTAL: ("component",),
+    M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
+    M.ALERTS_FIRING: ("alertname", "severity"),
+}
+
+#: Time-breakdown categories of a profiler window. The GPU-busy ones sum to 1
+#: over busy time; ``idle`` is a share of the window's wall time.
+BUSY_CATEGORIES = ("compute_bound", "memory_bound", "communication", "other")
+CATEGORIES = BUSY_CATEGORIES + ("idle",)
+
+
+@dataclass
+class RunInfo:
+    """Static facts about a run, exported as ``mfuwatch_run_info{...} 1``."""
+
+    run: str
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    host: str = ""
+    device: str = "cpu"
+    gpu_name: str = ""
+    dtype: str = "fp32"
+    peak_flops_per_second: Optional[float] = None  # FLOP/s, one device, training dtype
+    peak_source: str = ""  # datasheet citation, "calibrated", "user", or "" when unknown
+    peak_memory_bandwidth_bytes_per_second: Optional[float] = None
+    flops_source: str = ""  # "user" | "analytic" | "flop_counter"
+    exporter_url: str = ""
+    versions: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StepMeasurement:
+    """One measured interval of optimizer steps (the unit the agent reports on).
+
+    ``step`` is the index of the last optimizer step in the interval; ``steps``
+    how many steps the interval covers. Durations in seconds, FLOPs in FLOP,
+    rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown.
+    """
+
+    step: int
+    steps: int
+    timestamp: float  # unix seconds at the end of the interval
+    step_time_seconds: float  # mean time of one optimizer step in the interval
+    tokens: int  # tokens in the interval (all micro-batches)
+    tokens_per_second: float
+    model_flops: float  # model FLOPs per optimizer step (no recomputation)
+    hardware_flops: float  # executed FLOPs per optimizer step (recomputation included)
+    model_flops_per_second: float
+    mfu: Optional[float] = None
+    hfu: Optional[float] = None
+    loss: Optional[float] = None
+
+
+@dataclass
+class OpShare:
+    """One op's share of GPU busy time in a profiler window."""
+
+    op: str  # aten op name (e.g. ``aten::mm``) or a kernel-name rule's label
+    bound: str  # "compute" | "memory" | "communication" | "other"
+    share: float  # of GPU busy time, 0..1
+    time_seconds: float  # GPU time in the window
+    kernels: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    arithmetic_intensity: Optional[float] = None  # FLOP/byte
+
+
+@dataclass
+class Suggestion:
+    """A remedy for memory-bound or launch-bound time, ranked existing fix first."""
+
+    kernel: str  # short id, e.g. "rms_norm", "fused_adamw", "torch_compile"
+    title: str
+    apply: str  # the one line that applies it
+    ops: List[str]  # op patterns it replaces, as matched in the window
+    time_seconds: float  # GPU time of those ops in the window, per step
+    expected_gain: float  # fraction of step time saved (Amdahl), 0..1
+    kind: str = "existing"  # "existing" (torch feature) | "bundled" (mfuwatch.kernels)
+
+
+@dataclass
+class WindowMeasurement:
+    """The result of one profiler window (or of ``mfuwatch analyze`` on a trace)."""
+
+    step: int
+    timestamp: float
+    steps: int  # active steps in the window
+    wall_seconds: float
+    busy_seconds: float
+    breakdown: Dict[str, float]  # CATEGORIES -> share; busy ones over busy time, idle over wall
+    memory_bound_share: float
+    top_ops: List[OpShare] = field(default_factory=list)
+    suggestions: List[Suggestion] = field(default_factory=list)
+    kernels_per_step: float = 0.0
+    mean_kernel_seconds: float = 0.0
+    step_time_seconds: Optional[float] = None
+
+
+@dataclass
+class GpuHealth:
+    """One NVML sample. Any field is ``None`` when the GPU or driver does not report it."""
+
+    timestamp: float
+    utilization: Optional[float] = None  # 0..1
+    memory_bandwidth_utilization: Optional[float] = None  # 0..1
+    sm_clock_hertz: Optional[float] = None
+    power_watts: Optional[float] = None
+    power_limit_watts: Optional[float] = None
+    temperature_celsius: Optional[float] = None
+    memory_used_bytes: Optional[float] = None
+    memory_total_bytes: Optional[float] = None
+    energy_joules: Optional[float] = None  # since driver load
+    clock_event_reasons: Dict[str, bool] = field(default_factory=dict)
+    ecc_errors: Dict[str, int] = field(default_factory=dict)  # "corrected"/"uncorrected" -> count
+    xid_errors: int = 0
+    sm_active: Optional[float] = None  # GPM, 0..1
+    tensor_active: Optional[float] = None  # GPM, 0..1
+    dram_active: Optional[float] = None  # GPM, 0..1
+
+
+def to_record(kind: str, obj: Any) -> Dict[str, Any]:
+    """Turn a measurement dataclass into one JSON-ready timeline record ``{"kind": ..., **fields}``."""
+    rec = dataclasses.asdict(obj)
+    rec["kind"] = kind
+    return rec
