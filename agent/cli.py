@@ -1,0 +1,46 @@
+"""The ``mfuwatch`` command line: ``demo``, ``analyze``, ``report`` and ``alerts``.
+
+Each subcommand lives in its own module with a ``main(argv) -> int``; this
+dispatcher imports only the one asked for, so ``mfuwatch analyze`` and
+``mfuwatch alerts`` start without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "demo": ("mfuwatch.agent.demo", "run a small real training job with the agent attached"),
+    "analyze": ("mfuwatch.agent.analyze", "time breakdown, top ops and suggestions of a torch.profiler trace"),
+    "report": ("mfuwatch.agent.report", "a self-contained HTML report from an agent timeline (JSONL)"),
+    "alerts": ("mfuwatch.alerts.cli", "alert rules: render Prometheus rules, check a config"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: mfuwatch <command> [options]", "", "commands:"]
+    lines += [f"  {name:<9} {desc}" for name, (_, desc) in COMMANDS.items()]
+    lines += ["", "'mfuwatch <command> --help' describes a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Dispatch to a subcommand; returns its exit code (2 for usage errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"mfuwatch: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    mod = importlib.import_module(COMMANDS[cmd][0])
+    return int(mod.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

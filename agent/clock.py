@@ -1,0 +1,145 @@
+"""Step clock: the time of each optimizer step, without a host-device sync on the hot path.
+
+On CUDA, the step hook records a ``torch.cuda.Event`` on the current stream at
+each boundary (a few microseconds, no synchronisation). The agent's own thread
+later asks each event ``query()`` — true once the GPU has passed it — and reads
+``elapsed_time`` between consecutive completed boundaries: that is the step time
+as the GPU saw it, idle gaps (input stalls) included. On the CPU the boundary is
+``time.perf_counter()``.
+
+Boundaries are kept in a bounded deque; if the reader falls far behind (the GPU
+is hung), the oldest boundaries are merged rather than dropped, so tokens and
+step counts are never lost, only the per-step resolution.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, List, Optional
+
+
+@dataclass
+class Boundary:
+    """One optimizer-step boundary as recorded by the hook."""
+
+    step: int  # 1-based index of the optimizer step that just ended
+    tokens: int  # tokens of that step (all micro-batches)
+    wall: float  # time.time() at the boundary (host clock)
+    marker: Any  # torch.cuda.Event on CUDA; perf_counter() float on CPU
+    loss: Optional[float] = None
+
+
+@dataclass
+class Interval:
+    """Completed steps between two boundaries, as measured by the device."""
+
+    first_step: int
+    last_step: int
+    steps: int
+    seconds: float  # device time from the boundary before first_step to the one after last_step
+    tokens: int
+    end_wall: float
+    loss: Optional[float] = None
+
+
+class StepClock:
+    """Records boundaries on the training thread; resolves them into intervals on another.
+
+    Args:
+        device: a ``torch.device``; CUDA events are used when its type is ``cuda``.
+        max_pending: bound on unresolved boundaries kept in memory.
+        now: injectable perf_counter-like clock for tests (CPU mode only).
+        wall: injectable ``time.time``-like clock for tests.
+    """
+
+    def __init__(
+        self,
+        device: Any,
+        *,
+        max_pending: int = 4096,
+        now: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
+        self._device = device
+        self._now = now
+        self._wall = wall
+        self._pending: Deque[Boundary] = collections.deque()
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._last: Optional[Boundary] = None  # last resolved boundary (start of next interval)
+        self._merged_tokens = 0  # tokens of boundaries merged away under pressure
+
+    def _marker(self) -> Any:
+        if self.cuda:
+            import torch
+
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self._device))
+            return ev
+        return self._now()
+
+    def mark(self, step: int, tokens: int, loss: Optional[float] = None) -> None:
+        """Record the boundary at the end of optimizer step ``step`` (training thread, no sync)."""
+        b = Boundary(step=step, tokens=tokens, wall=self._wall(), marker=self._marker(), loss=loss)
+        with self._lock:
+            if len(self._pending) >= self._max_pending:
+                # merge the two oldest unresolved boundaries: keep the later marker, add tokens
+                old = self._pending.popleft()
+                self._merged_tokens += old.tokens
+            self._pending.append(b)
+
+    def start(self) -> None:
+        """Record a starting boundary (step 0) so the first step is timed too."""
+        with self._lock:
+            if self._last is None and not self._pending:
+                self._pending.append(Boundary(step=0, tokens=0, wall=self._wall(), marker=self._marker()))
+
+    def _done(self, b: Boundary) -> bool:
+        return b.marker.query() if self.cuda else True
+
+    def _elapsed(self, a: Boundary, b: Boundary) -> float:
+        if self.cuda:
+            return a.marker.elapsed_time(b.marker) / 1e3  # ms -> s
+        return b.marker - a.marker
+
+    def poll(self) -> List[Interval]:
+        """Resolve completed boundaries into intervals (one per step). Call off the training thread."""
+        out: List[Interval] = []
+        while True:
+            with self._lock:
+                if not self._pending:
+                    break
+                b = self._pending[0]
+            if not self._done(b):
+                break
+            with self._lock:
+                self._pending.popleft()
+                extra, self._merged_tokens = self._merged_tokens, 0
+            prev = self._last
+            self._last = b
+            if prev is None:
+                if b.step > 0:  # first boundary without a start mark: its step is not timed
+                    out.append(Interval(b.step, b.step, 1, float("nan"), b.tokens + extra, b.wall, b.loss))
+                continue
+            out.append(
+                Interval(
+                    first_step=prev.step + 1,
+                    last_step=b.step,
+                    steps=b.step - prev.step,
+                    seconds=self._elapsed(prev, b),
+                    tokens=b.tokens + extra,
+                    end_wall=b.wall,
+                    loss=b.loss,
+                )
+            )
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Boundaries recorded but not yet resolved."""
+        with self._lock:
+            return len(self._pending)

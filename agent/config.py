@@ -1,0 +1,261 @@
+"""Agent configuration: one YAML file plus keyword arguments, validated at start-up.
+
+Sources, later ones win: built-in defaults < the YAML file named by ``config=``
+(or by the ``MFUWATCH_CONFIG`` environment variable) < keyword arguments.
+A bad value or an unknown key raises :class:`ConfigError` at start-up, naming the
+field and the accepted values (or, for an unknown key, the nearest valid key):
+a misconfigured agent fails fast instead of measuring the wrong thing for hours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import yaml
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+class ConfigError(ValueError):
+    """Invalid agent configuration. The message names the field and what is accepted."""
+
+
+@dataclass
+class ModelShape:
+    """Shape of a decoder-only transformer, for the analytic FLOP formula (PaLM appendix B).
+
+    ``n_params`` is the number of parameters used in matmuls (embeddings
+    excluded); when ``None`` the agent counts the weights of the model's
+    ``nn.Linear`` modules. ``seq_len`` ``None`` means: read it from the inputs.
+    """
+
+    n_layers: int
+    d_model: int
+    seq_len: Optional[int] = None
+    n_params: Optional[int] = None
+
+
+@dataclass
+class ProfileEvery:
+    """Cadence of profiler windows: every ``steps`` optimizer steps or every ``seconds``; both ``None`` = off."""
+
+    steps: Optional[int] = None
+    seconds: Optional[float] = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps) or bool(self.seconds)
+
+
+@dataclass
+class AgentConfig:
+    """Validated agent configuration. Field comments say why each default was chosen."""
+
+    run: str = ""  # run label on every series; "" = $MFUWATCH_RUN or "<host>-<pid>"
+    exporter: bool = True  # serve /metrics over HTTP
+    port: int = 9478  # base port (+ LOCAL_RANK); 9400 is dcgm-exporter's, 9100 node_exporter's, 9464 OpenTelemetry's
+    bind: str = "127.0.0.1"  # loopback by default: metrics of a training job are not for the whole network
+    tls_certfile: Optional[str] = None
+    tls_keyfile: Optional[str] = None
+    report_every_steps: int = 10  # one measurement per 10 optimizer steps: smooth, and ~0 overhead
+    timeline: Optional[str] = None  # JSONL path; "" / None = no timeline
+    flops_per_step: Optional[float] = None  # model FLOPs per optimizer step, when the user knows it
+    hardware_flops_per_step: Optional[float] = None  # executed FLOPs per step (recomputation included)
+    model_shape: Optional[ModelShape] = None  # enables the analytic FLOP formula
+    tokens_per_step: Optional[int] = None  # overrides counting tokens from the model's inputs
+    peak_flops: Optional[float] = None  # FLOP/s of one device for the training dtype; overrides the table
+    dtype: Optional[str] = None  # training dtype override: one of DTYPES
+    calibrate: bool = False  # measure the peak with a large matmul instead of the datasheet table
+    nvml: bool = True
+    nvml_interval_seconds: float = 1.0  # 1 Hz: three NVML calls cost ~38 us, i.e. ~0.004% of a second
+    profile_every: ProfileEvery = field(default_factory=lambda: ProfileEvery(seconds=300.0))  # a window each 5 min
+    profile_warmup_steps: int = 1
+    profile_active_steps: int = 3
+    top_k_ops: int = 8  # bounded cardinality of op_gpu_time_share_ratio{op}
+    alerts: Any = None  # None/True = built-in rules + console; False = off; dict or path = alert config
+    rank: int = 0  # from RANK
+    local_rank: int = 0  # from LOCAL_RANK
+    world_size: int = 1  # from WORLD_SIZE
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain-data dump (for the timeline and logs). Holds no secrets: alert URLs live in the environment."""
+        d = dataclasses.asdict(self)
+        if isinstance(self.alerts, (dict, list)):
+            d["alerts"] = "<alert config>"
+        return d
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(AgentConfig)}
+
+
+def _nearest(key: str, choices) -> str:
+    m = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {m[0]!r}?)" if m else ""
+
+
+def parse_profile_every(value: Any) -> ProfileEvery:
+    """Parse ``"500 steps"``, ``"300s"``, ``"5 min"``, an int (steps), or ``0``/``"off"``/``False``.
+
+    Raises:
+        ConfigError: naming ``profile_every`` and the accepted forms.
+    """
+    if isinstance(value, ProfileEvery):
+        return value
+    if value in (0, None, False, "off", "0", ""):
+        return ProfileEvery()
+    if isinstance(value, bool):
+        raise ConfigError("profile_every: expected e.g. '500 steps', '300s', '5 min' or 'off', got True")
+    if isinstance(value, int) and value > 0:
+        return ProfileEvery(steps=value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(steps?|s|sec|seconds?|m|min|minutes?|h|hours?)\s*", value)
+        if m:
+            n, unit = float(m.group(1)), m.group(2)
+            if n > 0:
+                if unit.startswith("step"):
+                    if n != int(n):
+                        raise ConfigError(f"profile_every: steps must be a whole number, got {value!r}")
+                    return ProfileEvery(steps=int(n))
+                scale = 3600.0 if unit.startswith("h") else 60.0 if unit.startswith("m") else 1.0
+                return ProfileEvery(seconds=n * scale)
+    raise ConfigError(
+        f"profile_every: expected e.g. '500 steps', '300s', '5 min', a positive integer (steps) or 'off', got {value!r}"
+    )
+
+
+def _check_type(name: str, value: Any, types: Tuple[type, ...], what: str) -> None:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ConfigError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
+
+
+def _validate(cfg: AgentConfig) -> AgentConfig:
+    # run label
+    _check_type("run", cfg.run, (str,), "a string")
+    if not cfg.run:
+        cfg.run = os.environ.get("MFUWATCH_RUN") or f"{socket.gethostname()}-{os.getpid()}"
+    _check_type("exporter", cfg.exporter, (bool,), "true or false")
+    _check_type("port", cfg.port, (int,), "an integer port 0..65535 (0 = any free port)")
+    if not 0 <= cfg.port <= 65535:
+        raise ConfigError(f"port: expected 0..65535 (0 = any free port), got {cfg.port}")
+    _check_type("bind", cfg.bind, (str,), "an address such as '127.0.0.1' or '0.0.0.0'")
+    if (cfg.tls_certfile is None) != (cfg.tls_keyfile is None):
+        raise ConfigError("tls_certfile / tls_keyfile: give both or neither")
+    for name in ("tls_certfile", "tls_keyfile"):
+        v = getattr(cfg, name)
+        if v is not None and not Path(v).is_file():
+            raise ConfigError(f"{name}: file not found: {v}")
+    _check_type("report_every_steps", cfg.report_every_steps, (int,), "a positive integer")
+    if cfg.report_every_steps < 1:
+        raise ConfigError(f"report_every_steps: expected a positive integer, got {cfg.report_every_steps}")
+    if cfg.timeline is not None:
+        _check_type("timeline", cfg.timeline, (str, Path), "a file path or null")
+        cfg.timeline = str(cfg.timeline) or None
+    for name in ("flops_per_step", "hardware_flops_per_step", "peak_flops"):
+        v = getattr(cfg, name)
+        if v is not None:
+            _check_type(name, v, (int, float), "a positive number or null")
+            if not v > 0:
+                raise ConfigError(f"{name}: expected a positive number or null, got {v}")
+            setattr(cfg, name, float(v))
+    if cfg.tokens_per_step is not None:
+        _check_type("tokens_per_step", cfg.tokens_per_step, (int,), "a positive integer or null")
+        if cfg.tokens_per_step < 1:
+            raise ConfigError(f"tokens_per_step: expected a positive integer or null, got {cfg.tokens_per_step}")
+    if cfg.model_shape is not None and not isinstance(cfg.model_shape, ModelShape):
+        ms = cfg.model_shape
+        if not isinstance(ms, Mapping):
+            raise ConfigError("model_shape: expected a mapping with n_layers, d_model[, seq_len, n_params]")
+        allowed = {f.name for f in dataclasses.fields(ModelShape)}
+        for k in ms:
+            if k not in allowed:
+                raise ConfigError(f"model_shape.{k}: unknown key{_nearest(k, allowed)}; accepted: {sorted(allowed)}")
+        for k in ("n_layers", "d_model"):
+            if k not in ms:
+                raise ConfigError(f"model_shape.{k}: required")
+        for k, v in ms.items():
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"model_shape.{k}: expected a positive integer, got {v!r}")
+        cfg.model_shape = ModelShape(**ms)
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)} or null, got {cfg.dtype!r}")
+    for name in ("calibrate", "nvml"):
+        _check_type(name, getattr(cfg, name), (bool,), "true or false")
+    _check_type("nvml_interval_seconds", cfg.nvml_interval_seconds, (int, float), "a number of seconds >= 0.05")
+    if cfg.nvml_interval_seconds < 0.05:
+        raise ConfigError(f"nvml_interval_seconds: expected >= 0.05, got {cfg.nvml_interval_seconds}")
+    cfg.profile_every = parse_profile_every(cfg.profile_every)
+    for name, lo in (("profile_warmup_steps", 0), ("profile_active_steps", 1), ("top_k_ops", 1)):
+        v = getattr(cfg, name)
+        _check_type(name, v, (int,), f"an integer >= {lo}")
+        if v < lo:
+            raise ConfigError(f"{name}: expected an integer >= {lo}, got {v}")
+    if cfg.alerts is not None and not isinstance(cfg.alerts, (bool, dict, str, Path)):
+        raise ConfigError(f"alerts: expected true/false, a mapping, or a path to an alert-rules YAML, got {cfg.alerts!r}")
+    for name in ("rank", "local_rank", "world_size"):
+        _check_type(name, getattr(cfg, name), (int,), "a non-negative integer")
+    if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
+        raise ConfigError(f"rank/world_size: expected 0 <= rank < world_size, got rank={cfg.rank} world_size={cfg.world_size}")
+    return cfg
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"{name} (environment): expected an integer, got {v!r}") from None
+
+
+def load_config(config: Union[None, str, Path, Mapping[str, Any], AgentConfig] = None, **overrides: Any) -> AgentConfig:
+    """Build a validated :class:`AgentConfig`.
+
+    Args:
+        config: a path to a YAML file, a mapping, an ``AgentConfig``, or ``None``
+            (then ``$MFUWATCH_CONFIG`` is read if set).
+        **overrides: keyword arguments, applied last.
+
+    Raises:
+        ConfigError: unknown key (with the nearest valid key), bad value (with the
+            accepted values), unreadable or malformed YAML file.
+    """
+    data: Dict[str, Any] = {
+        "rank": _env_int("RANK", 0),
+        "local_rank": _env_int("LOCAL_RANK", 0),
+        "world_size": _env_int("WORLD_SIZE", 1),
+    }
+    if config is None and os.environ.get("MFUWATCH_CONFIG"):
+        config = os.environ["MFUWATCH_CONFIG"]
+    if isinstance(config, AgentConfig):
+        data.update(dataclasses.asdict(config))
+        if config.model_shape is not None:
+            data["model_shape"] = config.model_shape
+        data["profile_every"] = config.profile_every
+    elif isinstance(config, (str, Path)):
+        path = Path(config)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config: {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"config: {path} must hold a mapping of settings, got {type(loaded).__name__}")
+        data.update(loaded)
+    elif isinstance(config, Mapping):
+        data.update(config)
+    elif config is not None:
+        raise ConfigError(f"config: expected a path, a mapping or an AgentConfig, got {type(config).__name__}")
+    data.update(overrides)
+    for key in data:
+        if key not in _FIELDS:
+            raise ConfigError(f"{key}: unknown setting{_nearest(key, _FIELDS)}; accepted: {', '.join(sorted(_FIELDS))}")
+    return _validate(AgentConfig(**data))

@@ -1,0 +1,619 @@
+"""The Agent: hooks into a training loop and turns step boundaries into MFU, HFU and tokens/s.
+
+The training thread does the least: the optimizer's step post-hook records a
+CUDA event and a token count (microseconds, no host-device sync); the forward
+pre-hook adds the batch's tokens. Everything else — reading the events,
+arithmetic, the exporter, the timeline, alerts, NVML and profiler windows —
+runs on the agent's own threads, and every failure there is caught, counted in
+``mfuwatch_agent_errors_total{component}`` and logged once.
+
+MFU = model FLOPs per step / step time / peak FLOP/s of one GPU for the training
+dtype (PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs
+(recomputation included).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import weakref
+from typing import Any, Dict, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from . import flops as flops_mod
+from .clock import Interval, StepClock
+from .config import AgentConfig, ConfigError, load_config
+from .errors import ErrorCounter
+from .exporter import Exporter
+from .schema import GpuHealth, RunInfo, StepMeasurement, WindowMeasurement, to_record
+from .timeline import Timeline
+
+log = logging.getLogger("mfuwatch")
+
+_DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+    """Tokens in one forward call's inputs: ``(tokens, seq_len or None)``.
+
+    The input is ``input_ids`` / ``inputs_embeds`` if passed by keyword, else
+    the first tensor argument. Integer tensors (token ids) of shape (B, T) give
+    B·T; float tensors of shape (B, T, C) give B·T; any other shape counts its
+    first dimension (samples, e.g. images). Shape reads only: no device sync.
+    """
+    t = None
+    for key in ("input_ids", "inputs_embeds", "idx", "tokens", "x"):
+        v = kwargs.get(key)
+        if isinstance(v, torch.Tensor):
+            t = v
+            break
+    if t is None:
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if t is None:
+        t = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
+    if t is None or t.dim() == 0:
+        return 0, None
+    if not t.is_floating_point() and t.dim() <= 2:
+        return int(t.numel()), int(t.shape[-1])
+    if t.is_floating_point() and t.dim() == 3:
+        return int(t.shape[0] * t.shape[1]), int(t.shape[1])
+    return int(t.shape[0]), None
+
+
+class Agent:
+    """Live MFU/HFU/tokens-per-second for one training process, exported to Prometheus.
+
+    Args:
+        model: the ``nn.Module`` being trained (for token counting, dtype, FLOPs). Optional
+            when ``flops_per_step`` and ``tokens_per_step`` are given or ``step(tokens=)`` is used.
+        optimizer: step boundaries come from its ``register_step_post_hook``. Without one,
+            call :meth:`step` once per optimizer step.
+        config: a path to a YAML file, a mapping, or an :class:`AgentConfig`
+            (``$MFUWATCH_CONFIG`` if ``None``). ``**overrides`` are config keys.
+
+    Raises:
+        ConfigError: bad configuration, at construction (fail fast).
+
+    The agent starts at construction; use it as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 config: Union[None, str, os.PathLike, Mapping[str, Any], AgentConfig] = None, **overrides: Any) -> None:
+        self.config: AgentConfig = load_config(config, **overrides)
+        cfg = self.config
+        self.errors = ErrorCounter()
+        self.model = model
+        self.optimizer = optimizer
+        self.device = self._find_device(model)
+        self.latest: Optional[StepMeasurement] = None
+        self.latest_window: Optional[WindowMeasurement] = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._handles: list = []
+
+        # training-thread state (touched only by hooks)
+        self._step = 0
+        self._pending_tokens = 0
+        self._seq_len: Optional[int] = None
+        self._pending_loss: Any = None
+        self._dtype_key: Optional[str] = cfg.dtype
+        self._flop_counter: Optional[flops_mod.StepFlopCounter] = None
+        self._explicit_warned = False
+        self._clock_started = False
+
+        # FLOP model
+        self._flops_source = ""
+        self._model_flops_per_token: Optional[float] = None
+        self._hw_flops_per_token: Optional[float] = None
+        self._shape: Optional[flops_mod.TransformerShape] = None
+        self._init_flop_model(model)
+
+        self.run_info = RunInfo(
+            run=cfg.run, rank=cfg.rank, local_rank=cfg.local_rank, world_size=cfg.world_size,
+            host=socket.gethostname(), device=str(self.device), gpu_name=self._gpu_name(),
+            dtype=self._dtype_key or "", flops_source=self._flops_source,
+            versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
+        )
+        self._peak: Optional[float] = None
+        self._peak_warned = False
+        self._gpu_spec: Any = None
+
+        self.exporter = Exporter(self.run_info)
+        self.registry = self.exporter.registry
+        self.errors.listeners.append(self.exporter.count_error)
+        self.exporter_url = ""
+        if cfg.exporter:
+            port = cfg.port + cfg.local_rank if cfg.port else 0
+            try:
+                self.exporter_url = self.exporter.serve(port, cfg.bind, cfg.tls_certfile, cfg.tls_keyfile)
+                self.run_info.exporter_url = self.exporter_url
+            except OSError as exc:
+                self.errors.count("exporter", exc)
+        self.timeline = Timeline(cfg.timeline)
+        self.clock = StepClock(self.device)
+
+        # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
+        self._resolve_peak()
+
+        self.nvml = None
+        self.profiler = None
+        self.alerts = None
+        self._start_nvml()
+        self._start_alerts()
+        self._start_profiler()
+
+        self._install_hooks(model, optimizer)
+        self.timeline.write(to_record("run", self.run_info))
+        self._last_gpu_write = 0.0
+        self._acc: Dict[str, Any] = self._new_acc()
+        self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
+        self._thread.start()
+        _live_agents.add(self)
+        if self.exporter_url:
+            log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _find_device(model: Optional[nn.Module]) -> torch.device:
+        if model is not None:
+            p = next(model.parameters(), None)
+            if p is not None:
+                return p.device
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _gpu_name(self) -> str:
+        if self.device.type == "cuda":
+            try:
+                return torch.cuda.get_device_name(self.device)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.count("device", exc)
+        return ""
+
+    def _init_flop_model(self, model: Optional[nn.Module]) -> None:
+        cfg = self.config
+        if cfg.flops_per_step is not None:
+            self._flops_source = "user"
+            return
+        shape = None
+        try:
+            if cfg.model_shape is not None:
+                ms = cfg.model_shape
+                n = ms.n_params if ms.n_params is not None else (
+                    flops_mod.count_matmul_params(model) if model is not None else None)
+                if n is None:
+                    raise ConfigError("model_shape.n_params: required when no model is given")
+                shape = flops_mod.TransformerShape(ms.n_layers, ms.d_model, n, ms.seq_len,
+                                                   bool(getattr(model, "is_gradient_checkpointing", False)))
+            elif model is not None:
+                shape = flops_mod.shape_from_hf_config(model)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("flops", exc)
+        if shape is not None:
+            self._shape = shape
+            self._flops_source = "analytic"
+        elif model is not None:
+            self._flops_source = "flop_counter"
+            self._flop_counter = flops_mod.StepFlopCounter()
+        else:
+            self._flops_source = ""
+            log.warning("mfuwatch: no model, no flops_per_step and no model_shape: MFU is not reported "
+                        "(pass flops_per_step=... or model_shape={'n_layers':..,'d_model':..,'n_params':..})")
+
+    def _resolve_peak(self) -> None:
+        """Peak FLOP/s: user value > calibration > datasheet table. Unknown GPU => None + one warning."""
+        cfg = self.config
+        try:
+            if cfg.peak_flops is not None:
+                self._set_peak(cfg.peak_flops, "user (peak_flops)")
+                return
+            from . import peaks
+
+            if cfg.calibrate:
+                dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._dtype_key or "", torch.float32)
+                self._set_peak(peaks.calibrate_matmul(self.device, dtype), f"calibrated ({_dkey(dtype)} matmul)")
+                return
+            if self.device.type != "cuda":
+                if not self._peak_warned:
+                    self._peak_warned = True
+                    log.warning("mfuwatch: no peak FLOP/s for device %s: MFU is not reported; pass calibrate=True "
+                                "or peak_flops=<FLOP/s>", self.device)
+                return
+            if self._dtype_key is None:
+                return  # wait for the first forward to know the training dtype
+            name, pci = self.run_info.gpu_name, self._pci_device_id()
+            spec = peaks.lookup(name=name, pci_device_id=pci)
+            self._gpu_spec = spec
+            if spec is None:
+                if not self._peak_warned:
+                    self._peak_warned = True
+                    log.warning("mfuwatch: GPU %r (PCI device id %s) is not in the peak table: MFU is not reported. "
+                                "Pass peak_flops=<dense FLOP/s for %s> or calibrate=True.",
+                                name, hex(pci) if pci is not None else "unknown", self._dtype_key)
+                return
+            value = spec.peak_flops.get(self._dtype_key)
+            if value:
+                self._set_peak(value, spec.source)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("peak", exc)
+
+    def _pci_device_id(self) -> Optional[int]:
+        nv = getattr(self, "nvml", None)
+        return getattr(nv, "pci_device_id", None) if nv is not None else None
+
+    def _set_peak(self, value: float, source: str) -> None:
+        self._peak = float(value)
+        self.run_info.peak_flops_per_second = self._peak
+        self.run_info.peak_source = source
+        self.run_info.dtype = self._dtype_key or self.run_info.dtype
+
+    def _start_nvml(self) -> None:
+        if not self.config.nvml or self.device.type != "cuda":
+            return
+        try:
+            from .nvml import NvmlSampler
+
+            self.nvml = NvmlSampler(torch_device=self.device, interval_seconds=self.config.nvml_interval_seconds,
+                                    on_sample=self._on_gpu_sample, on_error=self.errors.count)
+            self.nvml.start()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("nvml", exc)
+            self.nvml = None
+
+    def _start_alerts(self) -> None:
+        if self.config.alerts is False:
+            return
+        try:
+            from mfuwatch.alerts import AlertEngine
+
+            alerts_cfg = None if self.config.alerts in (None, True) else self.config.alerts
+            self.alerts = AlertEngine.from_config(alerts_cfg, run_info=self.run_info, registry=self.registry,
+                                                  on_event=self.timeline.write)
+            self.alerts.start()
+        except (ValueError, TypeError) as exc:
+            if type(exc).__name__ == "AlertConfigError":
+                raise  # bad alert configuration fails fast, like any other config error
+            self.errors.count("alerts", exc)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("alerts", exc)
+            self.alerts = None
+
+    def _start_profiler(self) -> None:
+        pe = self.config.profile_every
+        if not pe.enabled:
+            return
+        try:
+            from .profiler import ProfilerSampler
+
+            self.profiler = ProfilerSampler(
+                every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,
+                active_steps=self.config.profile_active_steps, device=self.device, gpu_spec=self._gpu_spec,
+                top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
+            )
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("profiler", exc)
+            self.profiler = None
+
+    def _install_hooks(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
+        if model is not None:
+            self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._post_forward))
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(self._post_optimizer_step))
+
+    # ------------------------------------------------------------ training thread
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        try:
+            if not torch.is_grad_enabled():
+                return None  # evaluation forward: not training tokens
+            if self.config.tokens_per_step is None:
+                n, seq = count_tokens(args, kwargs)
+                self._pending_tokens += n
+                if seq:
+                    self._seq_len = seq
+            if self._step == 0 and not self._clock_started:
+                self._clock_started = True
+                self.clock.start()  # time the first step from its first forward
+            if self._dtype_key is None:
+                self._detect_dtype(module)
+            fc = self._flop_counter
+            if fc is not None:
+                if not fc.active and self._step >= 1 and self._model_flops_per_token is None:
+                    fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
+                fc.mark_forward_start()
+        except Exception as exc:  # noqa: BLE001
+            self._flop_abort()
+            self.errors.count("hooks", exc)
+        return None
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        try:
+            fc = self._flop_counter
+            if fc is not None and fc.active:
+                fc.mark_forward_end()
+        except Exception as exc:  # noqa: BLE001
+            self._flop_abort()
+            self.errors.count("hooks", exc)
+        return None
+
+    def _detect_dtype(self, module: nn.Module) -> None:
+        dev = self.device.type
+        autocast_dtype = None
+        try:
+            if torch.is_autocast_enabled(dev) if _autocast_takes_device() else (
+                    torch.is_autocast_enabled() if dev == "cuda" else torch.is_autocast_cpu_enabled()):
+                autocast_dtype = torch.get_autocast_dtype(dev) if hasattr(torch, "get_autocast_dtype") else (
+                    torch.get_autocast_gpu_dtype() if dev == "cuda" else torch.get_autocast_cpu_dtype())
+        except Exception:  # noqa: BLE001
+            autocast_dtype = None
+        p = next(module.parameters(), None)
+        param_dtype = p.dtype if p is not None else torch.float32
+        from . import peaks
+
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+        self._dtype_key = peaks.training_dtype_key(param_dtype, autocast_dtype, tf32 and dev == "cuda")
+        self.run_info.dtype = self._dtype_key
+        if self._peak is None:
+            self._resolve_peak()
+
+    def _flop_abort(self) -> None:
+        fc = self._flop_counter
+        if fc is not None and fc.active:
+            fc.abort()
+            self._flop_counter = None  # give up counting; MFU stays unreported
+
+    def _post_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._boundary(None, None)
+
+    def step(self, tokens: Optional[int] = None, loss: Any = None) -> None:
+        """Mark the end of one optimizer step (use when no optimizer was given to the agent).
+
+        Args:
+            tokens: tokens processed in this step (all micro-batches); default: counted
+                from the model's inputs, or ``tokens_per_step``.
+            loss: optional loss value (float or 0-d tensor), recorded in the timeline
+                without a device sync on this thread.
+        """
+        if self.optimizer is not None:
+            if not self._explicit_warned:
+                self._explicit_warned = True
+                log.warning("mfuwatch: agent.step() ignored: the optimizer's step hook already marks steps "
+                            "(use record_loss() to attach a loss)")
+            return
+        self._boundary(tokens, loss)
+
+    def record_loss(self, loss: Any) -> None:
+        """Attach a loss (float or tensor) to the current step; read later without a sync on this thread."""
+        try:
+            self._pending_loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("hooks", exc)
+
+    def _boundary(self, tokens: Optional[int], loss: Any) -> None:
+        if self._closed:
+            return
+        try:
+            self._step += 1
+            if tokens is None:
+                tokens = self.config.tokens_per_step if self.config.tokens_per_step is not None else self._pending_tokens
+            self._pending_tokens = 0
+            if loss is None:
+                loss, self._pending_loss = self._pending_loss, None
+            elif isinstance(loss, torch.Tensor):
+                loss = loss.detach()
+            fc = self._flop_counter
+            if fc is not None and fc.active:
+                executed, forward = fc.finish()
+                self._flop_counter = None
+                if tokens and executed:
+                    model, hw = flops_mod.split_model_hardware(executed, forward)
+                    self._model_flops_per_token = model / tokens
+                    self._hw_flops_per_token = hw / tokens
+                else:
+                    log.warning("mfuwatch: FlopCounterMode counted %d FLOPs over %d tokens; MFU is not reported "
+                                "(pass flops_per_step=...)", executed, tokens or 0)
+            self.clock.mark(self._step, int(tokens or 0), loss)
+            prof = self.profiler
+            if prof is not None:
+                prof.on_step(self._step, self.latest.step_time_seconds if self.latest else None)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("hooks", exc)
+
+    # -------------------------------------------------------------- agent thread
+    def _new_acc(self) -> Dict[str, Any]:
+        return {"steps": 0, "seconds": 0.0, "tokens": 0, "timed_steps": 0, "timed_tokens": 0,
+                "start": time.monotonic(), "last": None}
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self._tick(final=False)
+        self._tick(final=True)
+
+    def _tick(self, final: bool) -> None:
+        try:
+            for iv in self.clock.poll():
+                self._absorb(iv)
+            acc = self._acc
+            due = acc["steps"] >= self.config.report_every_steps or (
+                acc["steps"] > 0 and time.monotonic() - acc["start"] >= 10.0)
+            if due or (final and acc["steps"] > 0):
+                self._report()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("agent", exc)
+
+    def _absorb(self, iv: Interval) -> None:
+        acc = self._acc
+        timed = iv.seconds == iv.seconds  # NaN for the untimed first step
+        acc["steps"] += iv.steps
+        acc["tokens"] += iv.tokens
+        if timed:
+            acc["seconds"] += iv.seconds
+            acc["timed_steps"] += iv.steps
+            acc["timed_tokens"] += iv.tokens
+        acc["last"] = iv
+        self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
+
+    def flops_per_step(self, tokens_per_step: float) -> tuple:
+        """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
+        cfg = self.config
+        if cfg.flops_per_step is not None:
+            return cfg.flops_per_step, cfg.hardware_flops_per_step or cfg.flops_per_step
+        if self._shape is not None:
+            s = self._shape
+            seq = s.seq_len or self._seq_len
+            if not seq:
+                return None, None
+            per_tok = flops_mod.analytic_flops_per_token(s.n_params, s.n_layers, s.d_model, seq)
+            model = per_tok * tokens_per_step
+            if cfg.hardware_flops_per_step is not None:
+                return model, cfg.hardware_flops_per_step
+            hw = model * (4.0 / 3.0) if s.gradient_checkpointing else model
+            return model, hw
+        if self._model_flops_per_token is not None:
+            return self._model_flops_per_token * tokens_per_step, self._hw_flops_per_token * tokens_per_step
+        return None, None
+
+    def _report(self) -> None:
+        acc, self._acc = self._acc, self._new_acc()
+        last: Interval = acc["last"]
+        loss = last.loss
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.item())  # its step has completed on the device: no wait
+        if acc["timed_steps"] == 0 or acc["seconds"] <= 0:
+            return
+        step_time = acc["seconds"] / acc["timed_steps"]
+        tokens_per_step = acc["timed_tokens"] / acc["timed_steps"]
+        model_f, hw_f = self.flops_per_step(tokens_per_step)
+        if self._peak is None and self._dtype_key is not None and not self._peak_warned:
+            self._resolve_peak()
+        peak = self._peak
+        mfs = model_f / step_time if model_f else 0.0
+        m = StepMeasurement(
+            step=last.last_step, steps=acc["steps"], timestamp=last.end_wall, step_time_seconds=step_time,
+            tokens=acc["tokens"], tokens_per_second=tokens_per_step / step_time,
+            model_flops=model_f or 0.0, hardware_flops=hw_f or 0.0, model_flops_per_second=mfs,
+            mfu=(mfs / peak) if (peak and model_f) else None,
+            hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,
+            loss=loss if (loss is None or math.isfinite(loss)) else None,
+        )
+        self.latest = m
+        self.exporter.collector.update(step=m)
+        self.timeline.write(to_record("step", m))
+        if self.alerts is not None:
+            with self.errors.guard("alerts"):
+                self.alerts.observe_step(m)
+
+    def _on_gpu_sample(self, sample: GpuHealth) -> None:
+        self.exporter.collector.update(gpu=sample)
+        if self.alerts is not None:
+            with self.errors.guard("alerts"):
+                self.alerts.observe_gpu(sample)
+        if sample.timestamp - self._last_gpu_write >= 10.0:
+            self._last_gpu_write = sample.timestamp
+            self.timeline.write(to_record("gpu", sample))
+
+    def _on_window(self, window: WindowMeasurement) -> None:
+        self.latest_window = window
+        self.exporter.collector.update(window=window)
+        self.exporter.count_window("ok")
+        self.timeline.write(to_record("window", window))
+        if self.alerts is not None:
+            with self.errors.guard("alerts"):
+                self.alerts.observe_window(window)
+
+    # ------------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Remove the hooks, flush the last measurement, stop threads and the server. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            with self.errors.guard("close"):
+                h.remove()
+        self._handles.clear()
+        if self._flop_counter is not None:
+            self._flop_counter.abort()
+        if self.device.type == "cuda":
+            # let the last boundaries complete so the final interval is reported (close() is off the hot path)
+            with self.errors.guard("close"):
+                torch.cuda.synchronize(self.device)
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        for comp in ("profiler", "nvml", "alerts"):
+            obj = getattr(self, comp)
+            if obj is not None:
+                with self.errors.guard("close"):
+                    obj.close()
+        with self.errors.guard("close"):
+            self.exporter.close()
+        self.timeline.close()
+        _live_agents.discard(self)
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def watch(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, **config: Any) -> Agent:
+    """One call: attach an :class:`Agent` to ``model`` and ``optimizer`` and start exporting.
+
+    ``config`` holds :class:`~mfuwatch.agent.config.AgentConfig` keys (or ``config=`` a path/mapping).
+    """
+    cfg = config.pop("config", None)
+    return Agent(model, optimizer, config=cfg, **config)
+
+
+_live_agents: "weakref.WeakSet[Agent]" = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    for a in list(_live_agents):
+        try:
+            a.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+import atexit  # noqa: E402
+
+atexit.register(_close_all_at_exit)
+
+
+def _dkey(dtype: torch.dtype) -> str:
+    return _DTYPE_KEYS.get(dtype, str(dtype))
+
+
+def _autocast_takes_device() -> bool:
+    try:
+        torch.is_autocast_enabled("cpu")
+        return True
+    except TypeError:
+        return False
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mfuwatch")
+    except Exception:  # noqa: BLE001
+        return "0"

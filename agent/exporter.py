@@ -1,0 +1,245 @@
+"""Prometheus exporter: the agent's measurements as ``mfuwatch_*`` series on its own registry.
+
+Counters and the step-time histogram are prometheus-client objects updated by
+the agent's thread. Everything else is computed at scrape time by
+:class:`MeasurementCollector` from the latest measurement dataclasses (the
+pattern of prometheus-client's own ``gc_collector``): a source with no data
+yields no series rather than a stale or made-up value. Every series carries
+``run`` and ``rank``; names come from :class:`mfuwatch.agent.schema.M`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from typing import Any, Dict, Iterable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from .schema import BUSY_CATEGORIES, M, GpuHealth, RunInfo, StepMeasurement, WindowMeasurement
+
+log = logging.getLogger("mfuwatch")
+
+#: Step-time buckets (seconds): 1 ms .. 60 s, dense around the 10 ms - 2 s range of LLM steps.
+STEP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0,
+)
+
+
+class MeasurementCollector(Collector):
+    """Scrape-time gauges from the latest step, window and NVML measurements."""
+
+    def __init__(self, run_info: RunInfo) -> None:
+        self.run_info = run_info
+        self._lock = threading.Lock()
+        self.step: Optional[StepMeasurement] = None
+        self.window: Optional[WindowMeasurement] = None
+        self.gpu: Optional[GpuHealth] = None
+
+    def update(self, *, step: Optional[StepMeasurement] = None, window: Optional[WindowMeasurement] = None,
+               gpu: Optional[GpuHealth] = None) -> None:
+        """Replace the latest measurement(s). Thread-safe."""
+        with self._lock:
+            if step is not None:
+                self.step = step
+            if window is not None:
+                self.window = window
+            if gpu is not None:
+                self.gpu = gpu
+
+    def _gauge(self, name: str, doc: str, value: Optional[float], extra: Optional[Dict[str, str]] = None):
+        labels = ["run", "rank"] + list((extra or {}).keys())
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        if value is not None:
+            g.add_metric([self.run_info.run, str(self.run_info.rank)] + list((extra or {}).values()), float(value))
+        return g
+
+    def collect(self) -> Iterable[Any]:
+        with self._lock:
+            step, window, gpu, ri = self.step, self.window, self.gpu, self.run_info
+        base = [ri.run, str(ri.rank)]
+        info = InfoMetricFamily(M.RUN_INFO.removesuffix("_info"),  # exposed as mfuwatch_run_info
+                                "Static facts about the run (GPU, dtype, peak and its source, world size, versions)",
+                                labels=["run", "rank"])
+        info.add_metric(base, {
+            "host": ri.host, "device": ri.device, "gpu": ri.gpu_name, "dtype": ri.dtype,
+            "world_size": str(ri.world_size), "local_rank": str(ri.local_rank),
+            "peak_source": ri.peak_source, "flops_source": ri.flops_source,
+            "exporter_url": ri.exporter_url, **{f"{k}_version": v for k, v in ri.versions.items()},
+        })
+        yield info
+        if ri.peak_flops_per_second:
+            yield self._gauge(M.PEAK_FLOPS_PER_SECOND, "Peak FLOP/s of one device for the training dtype",
+                              ri.peak_flops_per_second)
+        if step is not None:
+            if step.mfu is not None:
+                yield self._gauge(M.MFU, "Model FLOPs utilization: model FLOPs per step / step time / peak FLOP/s",
+                                  step.mfu)
+            if step.hfu is not None:
+                yield self._gauge(M.HFU, "Hardware FLOPs utilization: executed FLOPs (recomputation included) / "
+                                         "step time / peak FLOP/s", step.hfu)
+            yield self._gauge(M.MODEL_FLOPS_PER_SECOND, "Model FLOPs per second achieved", step.model_flops_per_second)
+            yield self._gauge(M.TOKENS_PER_SECOND, "Training tokens per second", step.tokens_per_second)
+            yield self._gauge(M.LAST_STEP_DURATION_SECONDS, "Mean optimizer-step time of the last report interval",
+                              step.step_time_seconds)
+            yield self._gauge(M.LAST_STEP_TIMESTAMP_SECONDS, "Unix time of the last measured optimizer step",
+                              step.timestamp)
+        if window is not None:
+            g = GaugeMetricFamily(M.GPU_TIME_SHARE, "Share of GPU busy time per category in the last profiler "
+                                  "window (idle: share of wall time)", labels=["run", "rank", "category"])
+            for cat, share in window.breakdown.items():
+                g.add_metric(base + [cat], float(share))
+            yield g
+            yield self._gauge(M.MEMORY_BOUND_SHARE, "GPU time in memory-bound kernels / GPU busy time (last window)",
+                              window.memory_bound_share)
+            g = GaugeMetricFamily(M.OP_GPU_TIME_SHARE, "Share of GPU busy time of the top ops in the last window",
+                                  labels=["run", "rank", "op", "bound"])
+            for op in window.top_ops:
+                g.add_metric(base + [op.op, op.bound], float(op.share))
+            yield g
+            g = GaugeMetricFamily(M.SUGGESTION_EXPECTED_GAIN, "Expected fraction of step time saved by a remedy "
+                                  "(Amdahl)", labels=["run", "rank", "kernel"])
+            for s in window.suggestions:
+                g.add_metric(base + [s.kernel], float(s.expected_gain))
+            yield g
+            yield self._gauge(M.KERNELS_PER_STEP, "GPU kernels launched per optimizer step (last window)",
+                              window.kernels_per_step)
+            yield self._gauge(M.MEAN_KERNEL_DURATION_SECONDS, "Mean GPU kernel duration (last window)",
+                              window.mean_kernel_seconds)
+        if gpu is not None:
+            yield from self._gpu(gpu, base)
+
+    def _gpu(self, gpu: GpuHealth, base) -> Iterable[Any]:
+        simple = (
+            (M.GPU_UTILIZATION, "NVML GPU utilization (share of time a kernel ran)", gpu.utilization),
+            (M.GPU_MEMORY_UTILIZATION, "NVML memory utilization (share of time device memory was read or written)",
+             gpu.memory_bandwidth_utilization),
+            (M.GPU_SM_CLOCK_HERTZ, "SM clock", gpu.sm_clock_hertz),
+            (M.GPU_POWER_WATTS, "Board power draw", gpu.power_watts),
+            (M.GPU_POWER_LIMIT_WATTS, "Enforced power limit", gpu.power_limit_watts),
+            (M.GPU_TEMPERATURE_CELSIUS, "GPU temperature", gpu.temperature_celsius),
+            (M.GPU_MEMORY_USED_BYTES, "Device memory used", gpu.memory_used_bytes),
+            (M.GPU_MEMORY_TOTAL_BYTES, "Device memory total", gpu.memory_total_bytes),
+            (M.GPU_SM_ACTIVE, "GPM SM activity ratio", gpu.sm_active),
+            (M.GPU_TENSOR_ACTIVE, "GPM tensor-core activity ratio (cross-check for MFU)", gpu.tensor_active),
+            (M.GPU_DRAM_ACTIVE, "GPM DRAM bandwidth utilization ratio", gpu.dram_active),
+        )
+        for name, doc, v in simple:
+            if v is not None:
+                yield self._gauge(name, doc, v)
+        if gpu.energy_joules is not None:
+            from prometheus_client.core import CounterMetricFamily
+
+            c = CounterMetricFamily(M.GPU_ENERGY_JOULES_TOTAL, "Energy consumed since the driver loaded",
+                                    labels=["run", "rank"])
+            c.add_metric(base, gpu.energy_joules)
+            yield c
+        if gpu.clock_event_reasons:
+            g = GaugeMetricFamily(M.GPU_CLOCK_EVENT_REASON, "1 when NVML reports this clock-event (throttle) reason",
+                                  labels=["run", "rank", "reason"])
+            for reason, active in gpu.clock_event_reasons.items():
+                g.add_metric(base + [reason], 1.0 if active else 0.0)
+            yield g
+        from prometheus_client.core import CounterMetricFamily
+
+        c = CounterMetricFamily(M.GPU_XID_ERRORS_TOTAL, "Xid critical errors seen by the sampler",
+                                labels=["run", "rank"])
+        c.add_metric(base, float(gpu.xid_errors))
+        yield c
+        if gpu.ecc_errors:
+            c = CounterMetricFamily(M.GPU_ECC_ERRORS_TOTAL, "ECC errors (volatile)", labels=["run", "rank", "type"])
+            for typ, n in gpu.ecc_errors.items():
+                c.add_metric(base + [typ], float(n))
+            yield c
+
+
+class Exporter:
+    """Owns the registry, the counters/histogram and the HTTP server of one agent.
+
+    Args:
+        run_info: labels and static facts.
+        registry: a fresh ``CollectorRegistry`` by default (never the global one,
+            so several agents or tests in one process don't collide).
+    """
+
+    def __init__(self, run_info: RunInfo, registry: Optional[CollectorRegistry] = None) -> None:
+        self.run_info = run_info
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.collector = MeasurementCollector(run_info)
+        self.registry.register(self.collector)
+        lab = ["run", "rank"]
+        self.step_hist = Histogram(M.STEP_DURATION_SECONDS, "Optimizer-step time", lab, buckets=STEP_BUCKETS,
+                                   registry=self.registry)
+        self.steps = Counter(M.STEPS_TOTAL.removesuffix("_total"), "Optimizer steps", lab, registry=self.registry)
+        self.tokens = Counter(M.TOKENS_TOTAL.removesuffix("_total"), "Training tokens (all micro-batches)", lab,
+                              registry=self.registry)
+        self.errors = Counter(M.AGENT_ERRORS_TOTAL.removesuffix("_total"), "Exceptions caught inside the agent",
+                              lab + ["component"], registry=self.registry)
+        self.windows = Counter(M.PROFILE_WINDOWS_TOTAL.removesuffix("_total"), "Profiler windows by outcome",
+                               lab + ["outcome"], registry=self.registry)
+        self._base = (run_info.run, str(run_info.rank))
+        self._server = None
+        self._thread = None
+        self.url = ""
+        # Touch the label sets so the series exist (at 0) from the first scrape.
+        self.steps.labels(*self._base)
+        self.tokens.labels(*self._base)
+
+    def count_error(self, component: str) -> None:
+        self.errors.labels(*self._base, component).inc()
+
+    def count_window(self, outcome: str) -> None:
+        self.windows.labels(*self._base, outcome).inc()
+
+    def observe_steps(self, steps: int, tokens: int, step_seconds: Optional[float]) -> None:
+        """Add ``steps`` optimizer steps and ``tokens`` tokens; observe the mean step time once per step."""
+        self.steps.labels(*self._base).inc(steps)
+        self.tokens.labels(*self._base).inc(tokens)
+        if step_seconds is not None and step_seconds == step_seconds:  # not NaN
+            h = self.step_hist.labels(*self._base)
+            for _ in range(steps):
+                h.observe(step_seconds)
+
+    def serve(self, port: int, bind: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
+              tries: int = 100) -> str:
+        """Start the HTTP server on ``port`` or, if busy, the next free port (up to ``tries`` ports).
+
+        Returns the URL of ``/metrics``. Raises ``OSError`` if no port in the range is free.
+        """
+        last: Optional[OSError] = None
+        candidates = [0] if port == 0 else range(port, min(port + tries, 65536))
+        for p in candidates:
+            try:
+                result = start_http_server(p, addr=bind, registry=self.registry, certfile=certfile, keyfile=keyfile)
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    raise
+                last = exc
+                continue
+            if result is None:  # prometheus-client < 0.20 returns nothing; we cannot stop it then
+                raise RuntimeError("prometheus-client >= 0.20 is required (start_http_server must return the server)")
+            self._server, self._thread = result
+            actual = self._server.server_address[1]
+            if port and actual != port:
+                log.warning("mfuwatch: port %d is busy; the exporter serves on port %d instead", port, actual)
+            scheme = "https" if certfile else "http"
+            host = bind if bind not in ("0.0.0.0", "::", "") else "127.0.0.1"
+            if ":" in host:
+                host = f"[{host}]"
+            self.url = f"{scheme}://{host}:{actual}/metrics"
+            return self.url
+        raise OSError(errno.EADDRINUSE, f"no free port in {port}..{port + tries - 1} for the mfuwatch exporter") from last
+
+    def close(self) -> None:
+        """Stop the HTTP server and its thread. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None

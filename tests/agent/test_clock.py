@@ -1,0 +1,53 @@
+"""Step clock on the CPU path with an injected clock."""
+
+import math
+
+import torch
+
+from mfuwatch.agent.clock import StepClock
+
+
+class FakeNow:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_intervals_from_boundaries():
+    now = FakeNow()
+    c = StepClock(torch.device("cpu"), now=now, wall=lambda: 1e9)
+    c.start()
+    for step, dt, tok in ((1, 0.5, 10), (2, 0.25, 20), (3, 1.0, 30)):
+        now.t += dt
+        c.mark(step, tok)
+    ivs = c.poll()
+    assert [(i.first_step, i.last_step, i.tokens) for i in ivs] == [(1, 1, 10), (2, 2, 20), (3, 3, 30)]
+    assert [i.seconds for i in ivs] == [0.5, 0.25, 1.0]
+    assert c.poll() == [] and c.pending == 0
+
+
+def test_first_boundary_without_start_is_untimed_but_counted():
+    now = FakeNow()
+    c = StepClock(torch.device("cpu"), now=now)
+    c.mark(1, 7)
+    now.t += 2.0
+    c.mark(2, 8)
+    a, b = c.poll()
+    assert math.isnan(a.seconds) and a.tokens == 7
+    assert b.seconds == 2.0 and b.tokens == 8
+
+
+def test_overflow_merges_tokens_not_drops():
+    now = FakeNow()
+    c = StepClock(torch.device("cpu"), now=now, max_pending=3)
+    c.start()
+    for s in range(1, 7):
+        now.t += 1.0
+        c.mark(s, 10)
+    ivs = c.poll()
+    # 6 steps x 10 tokens recorded; none may be lost even though boundaries were merged
+    assert sum(i.tokens for i in ivs) == 60
+    assert ivs[-1].last_step == 6
+    assert sum(i.steps for i in ivs) + ivs[0].first_step - 1 == 6

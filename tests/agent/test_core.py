@@ -1,0 +1,233 @@
+"""Agent core: MFU arithmetic with a fake clock, token counting, gradient accumulation, containment."""
+
+import logging
+import socket
+import urllib.request
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client.parser import text_string_to_metric_families
+
+from mfuwatch.agent import Agent, watch
+from mfuwatch.agent.clock import StepClock
+from mfuwatch.agent.core import count_tokens
+from mfuwatch.agent.demo import DemoLM, DemoShape
+from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
+
+BASE = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="t")
+
+
+class FakeNow:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _fake_clock(agent):
+    now = FakeNow()
+    agent.clock = StepClock(agent.device, now=now)
+    agent.clock.start()
+    return now
+
+
+def test_mfu_hfu_arithmetic_with_fake_clock():
+    # 5 steps of 0.25 s, 4096 tokens each, 2e12 model FLOPs and 2.5e12 executed FLOPs per step, peak 1e13:
+    # MFU = 2e12 / 0.25 / 1e13 = 0.8 ; HFU = 2.5e12 / 0.25 / 1e13 = 1.0 ; tokens/s = 4096 / 0.25 = 16384
+    a = Agent(config=dict(BASE, flops_per_step=2e12, hardware_flops_per_step=2.5e12, peak_flops=1e13,
+                          report_every_steps=5))
+    now = _fake_clock(a)
+    for _ in range(5):
+        now.t += 0.25
+        a.step(tokens=4096)
+    a.close()
+    m = a.latest
+    assert m.steps == 5 and m.step == 5 and m.tokens == 5 * 4096
+    assert m.step_time_seconds == pytest.approx(0.25)
+    assert m.mfu == pytest.approx(0.8)
+    assert m.hfu == pytest.approx(1.0)
+    assert m.tokens_per_second == pytest.approx(16384.0)
+    assert m.model_flops_per_second == pytest.approx(8e12)
+
+
+def test_unknown_peak_gives_no_mfu():
+    a = Agent(config=dict(BASE, flops_per_step=1e9))
+    now = _fake_clock(a)
+    for _ in range(3):
+        now.t += 0.1
+        a.step(tokens=10)
+    a.close()
+    assert a.latest.mfu is None and a.latest.hfu is None
+    assert a.latest.model_flops_per_second == pytest.approx(1e10)
+
+
+@pytest.mark.parametrize("args, kwargs, expected", [
+    ((torch.zeros(4, 16, dtype=torch.long),), {}, (64, 16)),
+    ((), {"input_ids": torch.zeros(2, 7, dtype=torch.long), "attention_mask": torch.ones(2, 7)}, (14, 7)),
+    ((torch.zeros(3, 5, 8),), {}, (15, 5)),  # (B, T, C) embeddings
+    ((torch.zeros(6, 3, 32, 32),), {}, (6, None)),  # images: samples
+    ((), {}, (0, None)),
+])
+def test_count_tokens(args, kwargs, expected):
+    assert count_tokens(args, kwargs) == expected
+
+
+def _tiny():
+    s = DemoShape(vocab=32, d_model=16, n_layers=1, n_heads=2, d_ff=24, seq=6, batch=2)
+    torch.manual_seed(0)
+    return s, DemoLM(s)
+
+
+def test_gradient_accumulation_counts_every_micro_batch():
+    s, model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=4,
+                                      model_shape={"n_layers": 1, "d_model": 16}))
+    now = _fake_clock(a)
+    accum, steps = 3, 4
+    for _ in range(steps):
+        for _ in range(accum):
+            x = torch.randint(0, s.vocab, (s.batch, s.seq))
+            F.cross_entropy(model(x).view(-1, s.vocab), x.view(-1)).backward()
+        with torch.no_grad():
+            model(torch.randint(0, s.vocab, (5, s.seq)))  # an eval forward: not training tokens
+        now.t += 0.5
+        opt.step()
+        opt.zero_grad()
+    a.close()
+    m = a.latest
+    tokens_per_step = accum * s.batch * s.seq  # 36
+    assert m.steps == steps and m.tokens == steps * tokens_per_step
+    assert m.tokens_per_second == pytest.approx(tokens_per_step / 0.5)
+    per_tok = analytic_flops_per_token(count_matmul_params(model), 1, 16, s.seq)
+    assert m.model_flops == pytest.approx(per_tok * tokens_per_step)
+    assert m.mfu == pytest.approx(per_tok * tokens_per_step / 0.5 / 1e12)
+    assert a.exporter.tokens.labels("t", "0")._value.get() == steps * tokens_per_step
+
+
+def test_flop_counter_path_measures_one_step():
+    s, model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=3))
+    assert a.run_info.flops_source == "flop_counter"
+    now = _fake_clock(a)
+    for _ in range(3):
+        x = torch.randint(0, s.vocab, (s.batch, s.seq))
+        F.cross_entropy(model(x).view(-1, s.vocab), x.view(-1)).backward()
+        now.t += 1.0
+        opt.step()
+        opt.zero_grad()
+    a.close()
+    expected = analytic_flops_per_token(count_matmul_params(model), 1, 16, s.seq) * s.batch * s.seq
+    assert a.latest.model_flops == pytest.approx(expected, rel=0.02)
+
+
+def test_injected_failure_does_not_reach_training_loop(monkeypatch, caplog):
+    s, model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, flops_per_step=1e6, report_every_steps=1))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr("mfuwatch.agent.core.count_tokens", boom)
+    monkeypatch.setattr(a.exporter, "observe_steps", boom)
+    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
+        for _ in range(4):
+            x = torch.randint(0, s.vocab, (s.batch, s.seq))
+            F.cross_entropy(model(x).view(-1, s.vocab), x.view(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        a.close()
+    assert a.errors.get("hooks") == 4
+    assert a.errors.get("agent") >= 1
+    assert a.exporter.errors.labels("t", "0", "hooks")._value.get() == 4
+    # logged once per component, not once per failure
+    assert sum("hooks failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(url):
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_exporter_scraped_over_http():
+    a = Agent(config=dict(BASE, exporter=True, port=0, flops_per_step=2e12, peak_flops=1e13,
+                          report_every_steps=2, run="scrape"))
+    now = _fake_clock(a)
+    for _ in range(4):
+        now.t += 0.5
+        a.step(tokens=100)
+    a._tick(final=False)
+    samples = _scrape(a.exporter_url)
+    a.close()
+    lab = (("rank", "0"), ("run", "scrape"))
+    assert samples[("mfuwatch_steps_total", lab)] == 4
+    assert samples[("mfuwatch_tokens_total", lab)] == 400
+    assert samples[("mfuwatch_mfu_ratio", lab)] == pytest.approx(2e12 / 0.5 / 1e13)
+    assert samples[("mfuwatch_peak_flops_per_second", lab)] == 1e13
+    assert samples[("mfuwatch_step_duration_seconds_count", lab)] == 4
+    assert samples[("mfuwatch_step_duration_seconds_sum", lab)] == pytest.approx(2.0)
+    info = [k for k in samples if k[0] == "mfuwatch_run_info"]
+    assert info and dict(info[0][1])["peak_source"] == "user (peak_flops)"
+
+
+def test_busy_port_takes_next_and_reports_it():
+    port = _free_port()
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen()
+    try:
+        a = Agent(config=dict(BASE, exporter=True, port=port))
+        try:
+            used = int(a.exporter_url.rsplit(":", 1)[1].split("/")[0])
+            assert used != port and port < used <= port + 100
+            assert a.run_info.exporter_url == a.exporter_url
+            samples = _scrape(a.exporter_url)
+            info = [dict(k[1]) for k in samples if k[0] == "mfuwatch_run_info"]
+            assert info[0]["exporter_url"] == a.exporter_url
+        finally:
+            a.close()
+    finally:
+        blocker.close()
+
+
+def test_repeated_start_stop_leaks_nothing():
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
+    for _ in range(3):
+        with watch(torch.nn.Linear(2, 2), None, **dict(BASE, exporter=True, port=0)) as a:
+            url = a.exporter_url
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url, timeout=1)
+    after = {t.name for t in threading.enumerate()}
+    assert not {n for n in after - before if "mfuwatch" in n}
+
+
+def test_nvml_off_on_cpu():
+    a = Agent(config=dict(BASE, nvml=True))
+    assert a.nvml is None  # no GPU: sampler off
+    a.close()
+
+
+def test_step_is_ignored_when_optimizer_hook_marks_steps(caplog):
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = Agent(model, opt, config=BASE)
+    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
+        a.step(tokens=5)
+        a.step(tokens=5)
+    assert a._step == 0
+    assert sum("agent.step() ignored" in r.getMessage() for r in caplog.records) == 1
+    a.close()
