@@ -201,14 +201,25 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from .core import Agent
 
     a = _parse(argv)
-    con = Console(quiet=a.quiet, highlight=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    con = Console(quiet=a.quiet or rank != 0, highlight=False)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1:  # launched by torchrun: data-parallel over the ranks (NCCL on GPUs, gloo on the CPU)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     preset = a.model or ("gpu" if device.type == "cuda" else "cpu")
     shape = PRESETS[preset]
     shape = DemoShape(**{**shape.__dict__, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})})
     torch.manual_seed(a.seed)
     data = load_stdlib_text()
-    batches = ByteBatches(data, shape.batch, shape.seq, device, seed=a.seed)
+    batches = ByteBatches(data, shape.batch, shape.seq, device, seed=a.seed + rank)
     model = DemoLM(shape).to(device)
     patch_report = None
     if a.patch_kernels:
@@ -218,7 +229,12 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             **({"fused": True} if fused else {}))
-    fwd = torch.compile(model) if a.compile else model
+    fwd = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        fwd = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    fwd = torch.compile(fwd) if a.compile else fwd
     amp = device.type == "cuda"
 
     overrides: Dict[str, Any] = {
@@ -234,6 +250,11 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from .config import load_config
 
     cfg = load_config(a.config, **overrides)
+    if a.timeline and world > 1:  # one timeline per rank
+        stem = Path(a.timeline)
+        a.timeline = str(stem.with_name(f"{stem.stem}.rank{rank}{stem.suffix}"))
+        overrides["timeline"] = a.timeline
+        cfg.timeline = a.timeline
     if a.timeline:
         Path(a.timeline).parent.mkdir(parents=True, exist_ok=True)
         if Path(a.timeline).exists():
@@ -244,7 +265,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     mfus: List[float] = []
     tps: List[float] = []
     t0 = time.time()
-    with Agent(model, opt, config=cfg) as agent:
+    with Agent(fwd, opt, config=cfg) as agent:  # hooks on what the loop calls (DDP / compiled wrapper)
         con.print(f"exporter: {agent.exporter_url or '(off)'}")
         con.print(f"peak: {agent.run_info.peak_flops_per_second or 0:.3g} FLOP/s ({agent.run_info.peak_source or 'unknown'})")
         for step in range(1, a.steps + 1):
@@ -307,6 +328,14 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if summary.get("report"):
         t.add_row("report", summary["report"])
     con.print(t)
+    if world > 1:
+        import torch.distributed as dist
+
+        summary["rank"], summary["world_size"] = rank, world
+        dist.destroy_process_group()
+    if a.summary_json and world > 1:
+        p = Path(a.summary_json)
+        a.summary_json = str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
     if a.summary_json:
         Path(a.summary_json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.summary_json).write_text(json.dumps(summary, indent=2, default=str))
