@@ -32,7 +32,11 @@ def test_demo_20_steps_loss_falls(tmp_path):
     assert s["final_loss"] < s["initial_loss"] - 0.5  # from ~ln(256)=5.5 down past 5.0 in 20 steps
     assert s["exporter_url"].startswith("http://127.0.0.1:")
     assert s["peak_source"].startswith("calibrated")
-    assert 0 < s["mean_mfu"] < 1
+    # MFU against a calibrated CPU matmul peak: positive and of order one (the calibration is a best-of-5
+    # 1024^3 matmul, so a loaded CI machine can make it read low; the arithmetic itself is tested exactly
+    # in test_core.py)
+    assert s["peak_flops_per_second"] > 1e8
+    assert 0.01 < s["mean_mfu"] < 3
     assert s["flops_source"] == "analytic"
     assert "exporter: http://127.0.0.1:" in proc.stdout
     records = list(read_timeline(timeline))
