@@ -244,6 +244,10 @@ class Agent:
             value = spec.peak_flops.get(self._dtype_key)
             if value:
                 self._set_peak(value, spec.source)
+            elif not self._peak_warned:
+                self._peak_warned = True
+                log.warning("mfuwatch: %s has no %s peak in the table (%s): MFU is not reported; pass "
+                            "peak_flops=<FLOP/s> or calibrate=True", spec.name, self._dtype_key, spec.source)
         except Exception as exc:  # noqa: BLE001
             self.errors.count("peak", exc)
 

@@ -1,0 +1,366 @@
+"""Peak FLOP/s and memory bandwidth of one GPU: the MFU denominator and the machine balance.
+
+The numbers live in ``agent/data/gpus.yaml``, one row per product, each row citing its
+datasheet; tensor rates are dense (no 2:4 sparsity). A GPU is found by its NVML PCI
+device id where the row lists one, else by its name (see :func:`lookup`). A GPU that is
+not in the table gets no peak, and one warning that names it and says how to pass
+``peak_flops`` or ``calibrate=True``: the agent never borrows another GPU's numbers.
+
+``calibrate_matmul`` / ``calibrate_bandwidth`` measure instead of looking up (the CPU demo
+uses them). Usage::
+
+    from mfuwatch.agent import peaks
+    key = peaks.training_dtype_key(torch.float32, torch.bfloat16, peaks.torch_allows_tf32())
+    flops, source = peaks.resolve_peak("cuda:0", key, tf32_allowed=False)   # 989.4e12 on an H200
+
+This module imports torch only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+#: The dtype keys of every row, in the order of the YAML file.
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+TABLE_PATH = Path(__file__).resolve().parent / "data" / "gpus.yaml"
+_NVIDIA_VENDOR_ID = 0x10DE
+_warned: set = set()  # (kind, name) pairs already warned about, so each warning appears once
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One row of the peak table, in base units.
+
+    ``peak_flops`` maps each of :data:`DTYPES` to dense FLOP/s (``fp32`` = CUDA cores,
+    the others tensor cores) or ``None`` where the hardware has no such unit (FP8 on
+    Ampere). ``pci_device_ids`` are 16-bit PCI device ids (NVML ``pciDeviceId >> 16``).
+    """
+
+    name: str
+    aliases: List[str]
+    pci_device_ids: List[int]
+    peak_flops: Dict[str, Optional[float]]
+    memory_bandwidth_bytes_per_second: float
+    source: str
+
+
+def _tokens(name: str) -> List[str]:
+    """Lower-case alphanumeric words of a GPU name, without the vendor word."""
+    words = re.split(r"[^0-9a-z]+", name.lower())
+    return [w for w in words if w and w not in ("nvidia", "tesla")]
+
+
+def _alias_word_sets(spec: GpuSpec) -> List[frozenset]:
+    return [frozenset(_tokens(a)) for a in (spec.name, *spec.aliases) if _tokens(a)]
+
+
+def load_table(path: Optional[Path] = None) -> Tuple[GpuSpec, ...]:
+    """Read and validate a GPU table (default: the bundled ``gpus.yaml``).
+
+    Raises ValueError naming the row and the field when a row lacks a source, a dtype,
+    a positive bandwidth, or has a non-integer PCI id.
+    """
+    return _load_table(str(path or TABLE_PATH))
+
+
+@lru_cache(maxsize=8)
+def _load_table(path: str) -> Tuple[GpuSpec, ...]:
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    rows = doc.get("gpus") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: expected a non-empty list under 'gpus'")
+    specs = []
+    for i, row in enumerate(rows):
+        where = f"{path}: gpus[{i}] ({row.get('name', '?') if isinstance(row, dict) else '?'})"
+        if not isinstance(row, dict) or not row.get("name"):
+            raise ValueError(f"{where}: field 'name' is missing")
+        if not str(row.get("source", "")).strip():
+            raise ValueError(f"{where}: field 'source' is empty; every row cites its datasheet")
+        tflops = row.get("peak_tflops") or {}
+        missing = [k for k in DTYPES if k not in tflops]
+        if missing:
+            raise ValueError(f"{where}: field 'peak_tflops' lacks {missing}; need all of {DTYPES}")
+        peak = {}
+        for k in DTYPES:
+            v = tflops[k]
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"{where}: peak_tflops.{k} must be a positive number or null, got {v!r}")
+            peak[k] = None if v is None else float(v) * 1e12
+        if peak["fp32"] is None or peak["bf16"] is None:
+            raise ValueError(f"{where}: peak_tflops.fp32 and .bf16 may not be null")
+        bw = row.get("memory_bandwidth_tb_per_second")
+        if not (isinstance(bw, (int, float)) and bw > 0):
+            raise ValueError(f"{where}: field 'memory_bandwidth_tb_per_second' must be > 0, got {bw!r}")
+        ids = row.get("pci_device_ids") or []
+        if not all(isinstance(x, int) and 0 < x <= 0xFFFF for x in ids):
+            raise ValueError(f"{where}: field 'pci_device_ids' must hold 16-bit integers, got {ids!r}")
+        specs.append(GpuSpec(name=str(row["name"]), aliases=[str(a) for a in row.get("aliases") or []],
+                             pci_device_ids=list(ids), peak_flops=peak,
+                             memory_bandwidth_bytes_per_second=float(bw) * 1e12,
+                             source=" ".join(str(row["source"]).split())))
+    return tuple(specs)
+
+
+def _device_id16(pci_device_id: int) -> Optional[int]:
+    """Accept NVML's 32-bit ``pciDeviceId`` (device << 16 | vendor) or a bare 16-bit id."""
+    if pci_device_id > 0xFFFF:
+        if pci_device_id & 0xFFFF != _NVIDIA_VENDOR_ID:
+            return None
+        return pci_device_id >> 16
+    return pci_device_id
+
+
+def lookup(name: Optional[str] = None, pci_device_id: Optional[int] = None,
+           *, table: Optional[Sequence[GpuSpec]] = None) -> Optional[GpuSpec]:
+    """Find the row of a GPU: by PCI device id first, else by name; ``None`` when unknown.
+
+    Name matching: the name and every alias are split into lower-case words (``"NVIDIA
+    A100-SXM4-80GB"`` -> ``{a100, sxm4, 80gb}``); a row matches when all words of one of its
+    aliases appear in the name, and the alias with the most words wins, so ``"NVIDIA H200
+    NVL"`` finds the NVL row although ``"NVIDIA H200"`` (the SXM row) also matches. A tie
+    between two rows, a MIG slice (``"... MIG 1g.18gb"``), or no match returns ``None``.
+    """
+    specs = load_table() if table is None else table
+    if pci_device_id is not None:
+        dev = _device_id16(int(pci_device_id))
+        for spec in specs:
+            if dev is not None and dev in spec.pci_device_ids:
+                if name and "mig" in _tokens(name):
+                    return None
+                return spec
+    if not name:
+        return None
+    words = set(_tokens(name))
+    if "mig" in words:
+        return None
+    best: Optional[GpuSpec] = None
+    best_len, tie = 0, False
+    for spec in specs:
+        n = max((len(a) for a in _alias_word_sets(spec) if a <= words), default=0)
+        if n > best_len:
+            best, best_len, tie = spec, n, False
+        elif n and n == best_len and spec is not best:
+            tie = True
+    return None if tie else best
+
+
+def unknown_gpu_message(name: Optional[str], pci_device_id: Optional[int] = None) -> str:
+    """The one warning for a GPU missing from the table: names it and the two ways out."""
+    ident = repr(name or "unnamed GPU")
+    if pci_device_id is not None:
+        ident += f" (PCI device id 0x{_device_id16(int(pci_device_id)) or 0:04X})"
+    return (f"mfuwatch: no datasheet peak FLOP/s for GPU {ident}, so MFU is not reported. "
+            f"Pass peak_flops=<dense FLOP/s of one GPU for the training dtype> "
+            f"(e.g. watch(model, optimizer, peak_flops=989.4e12) for H200 bf16), or "
+            f"calibrate=True to measure a large matmul, or add a row to {TABLE_PATH.name}.")
+
+
+def _warn_once(kind: str, key: str, message: str) -> None:
+    if (kind, key) not in _warned:
+        _warned.add((kind, key))
+        log.warning(message)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'torch.bfloat16' / torch.bfloat16 / 'bf16' -> a lower-case name without 'torch.'."""
+    return str(dtype).lower().replace("torch.", "").strip()
+
+
+_KEY_BY_NAME = {
+    "float32": "fp32", "fp32": "fp32", "float": "fp32", "tf32": "tf32",
+    "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+}
+
+
+def training_dtype_key(torch_dtype: Any, autocast_dtype: Any = None, tf32_allowed: bool = False) -> str:
+    """The peak-table key for the dtype the matmuls of a training step run in.
+
+    ``autocast_dtype`` (bf16/fp16 under ``torch.autocast``) wins over the parameter dtype;
+    fp32 matmuls use the TF32 tensor-core peak when ``tf32_allowed`` (see
+    :func:`torch_allows_tf32`); any float8 dtype maps to ``"fp8"``. Accepts torch dtypes or
+    their names (``"bfloat16"``, ``"bf16"``). Raises ValueError for other dtypes.
+    """
+    for dt in (autocast_dtype, torch_dtype):
+        if dt is None:
+            continue
+        name = _dtype_name(dt)
+        if name.startswith("float8") or name == "fp8":
+            return "fp8"
+        key = _KEY_BY_NAME.get(name)
+        if key is None:
+            raise ValueError(f"dtype {dt!r} has no peak-table entry; accepted: float32, tf32, "
+                             f"bfloat16, float16, float8_*")
+        if key == "fp32" and tf32_allowed:
+            return "tf32"
+        return key
+    raise ValueError("training_dtype_key needs torch_dtype or autocast_dtype")
+
+
+def torch_allows_tf32() -> bool:
+    """True when torch runs fp32 CUDA matmuls on TF32 tensor cores.
+
+    That is ``torch.backends.cuda.matmul.allow_tf32`` or
+    ``torch.get_float32_matmul_precision() != "highest"`` (``"high"``/``"medium"``).
+    """
+    import torch
+
+    with warnings.catch_warnings():  # newer torch may deprecate allow_tf32 in favour of fp32_precision
+        warnings.simplefilter("ignore")
+        allowed = bool(getattr(torch.backends.cuda.matmul, "allow_tf32", False))
+    return allowed or torch.get_float32_matmul_precision() != "highest"
+
+
+def resolve_peak(device: Any, dtype: Any, *, tf32_allowed: bool, name: Optional[str] = None,
+                 pci_device_id: Optional[int] = None) -> Tuple[Optional[float], str]:
+    """Dense peak FLOP/s of one GPU for ``dtype``, with the row's datasheet citation.
+
+    ``dtype`` is a table key or a torch dtype; ``"fp32"`` becomes ``"tf32"`` when
+    ``tf32_allowed``. ``name`` defaults to ``torch.cuda.get_device_name(device)``. Returns
+    ``(None, "")`` for a non-CUDA device, and for a GPU missing from the table (after one
+    warning naming it and how to pass ``peak_flops``); ``(None, source)`` when the GPU has
+    no unit for the dtype (FP8 on an A100), also with one warning.
+    """
+    dev_type = getattr(device, "type", None) or str(device).split(":")[0]
+    if dev_type != "cuda":
+        return None, ""
+    key = training_dtype_key(dtype, None, tf32_allowed)
+    if name is None:
+        import torch
+
+        name = torch.cuda.get_device_name(device)
+    spec = lookup(name, pci_device_id)
+    if spec is None:
+        _warn_once("unknown", f"{name}/{pci_device_id}", unknown_gpu_message(name, pci_device_id))
+        return None, ""
+    peak = spec.peak_flops.get(key)
+    if peak is None:
+        _warn_once("dtype", f"{spec.name}/{key}",
+                   f"mfuwatch: {spec.name} has no {key} tensor-core peak ({spec.source}); MFU is "
+                   f"not reported. Pass peak_flops=<FLOP/s> to set one.")
+        return None, spec.source
+    return peak, spec.source
+
+
+def machine_balance(spec: GpuSpec, dtype: str, unit: str = "tensor") -> float:
+    """Peak FLOP/s over peak memory bandwidth, in FLOP/byte (DESIGN.md: "machine balance").
+
+    ``unit="tensor"`` uses the dtype's tensor-core peak (``"fp32"`` is the CUDA-core rate,
+    as in the table); ``unit="cuda"`` uses the fp32 CUDA-core peak whatever the dtype, the
+    ceiling of elementwise and reduction kernels. H200 bf16: 989.4e12 / 4.8e12 = 206.1.
+    Raises ValueError for an unknown unit or dtype, or a dtype the GPU lacks.
+    """
+    if unit not in ("tensor", "cuda"):
+        raise ValueError(f"unit must be 'tensor' or 'cuda', got {unit!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    peak = spec.peak_flops["fp32"] if unit == "cuda" else spec.peak_flops[dtype]
+    if peak is None:
+        raise ValueError(f"{spec.name} has no {dtype} tensor-core peak")
+    return peak / spec.memory_bandwidth_bytes_per_second
+
+
+# ---------------------------------------------------------------- calibration (blocking, start-up only)
+
+def _torch_dtype(dtype: Any):
+    import torch
+
+    key = training_dtype_key(dtype)
+    return key, {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+                 "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[key]
+
+
+def _time_cuda(fn, device, warmup: int, reps: int) -> float:
+    """Mean seconds per call of ``fn`` on ``device``, timed with CUDA events after warm-up."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()  # host-device sync: calibration runs once, before training
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def _time_cpu(fn, budget_seconds: float, max_reps: int) -> float:
+    """Fastest of up to ``max_reps`` timed calls (after one warm-up) within a time budget."""
+    fn()
+    best, t_end = float("inf"), time.perf_counter() + budget_seconds
+    for _ in range(max_reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > t_end:
+            break
+    return best
+
+
+def calibrate_matmul(device: Any, dtype: Any) -> float:
+    """Measured FLOP/s of a large matmul (``2 n^3`` FLOPs per ``n x n`` product).
+
+    GPU: ``n = 8192`` in ``dtype`` (``"fp32"`` with TF32 off, ``"tf32"`` with it on, bf16,
+    fp16; fp8 through ``torch._scaled_mm`` where this torch has it), 3 warm-up and 10 timed
+    iterations between CUDA events. CPU: ``n = 1024``, best of up to 5 within about 1 s.
+    Blocks (one host-device sync). Raises ValueError for fp8 on a device without it.
+    """
+    import torch
+
+    dev = torch.device(device)
+    key, tdtype = _torch_dtype(dtype)
+    if dev.type != "cuda":
+        n = 1024
+        cdtype = torch.float32 if key in ("fp32", "tf32", "fp8") else tdtype
+        a, b = torch.randn(n, n, dtype=cdtype), torch.randn(n, n, dtype=cdtype)
+        return 2.0 * n ** 3 / _time_cpu(lambda: torch.mm(a, b), 1.0, 5)
+    n = 8192
+    if key == "fp8":
+        if not hasattr(torch, "_scaled_mm"):
+            raise ValueError("this torch has no torch._scaled_mm: cannot calibrate fp8; pass peak_flops")
+        a = torch.randn(n, n, device=dev).to(tdtype)
+        b = torch.randn(n, n, device=dev).to(tdtype).t()  # column-major, as _scaled_mm requires
+        one = torch.ones((), device=dev)
+        fn = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    else:
+        a = torch.randn(n, n, device=dev, dtype=tdtype)
+        b = torch.randn(n, n, device=dev, dtype=tdtype)
+        fn = lambda: torch.mm(a, b)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = key == "tf32"
+        try:
+            seconds = _time_cuda(fn, dev, warmup=3, reps=10)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+    return 2.0 * n ** 3 / seconds
+
+
+def calibrate_bandwidth(device: Any) -> float:
+    """Measured device-memory bandwidth in bytes/s: a large copy moves ``2 x nbytes``.
+
+    GPU: a 1 GiB buffer copied 10 times between CUDA events after 3 warm-up copies.
+    CPU: a 64 MiB buffer, best of up to 5 within about 0.5 s. Blocks.
+    """
+    import torch
+
+    dev = torch.device(device)
+    nbytes = (1 << 30) if dev.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    fn = lambda: dst.copy_(src)  # noqa: E731
+    seconds = _time_cuda(fn, dev, 3, 10) if dev.type == "cuda" else _time_cpu(fn, 0.5, 5)
+    return 2.0 * nbytes / seconds

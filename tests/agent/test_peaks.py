@@ -1,0 +1,229 @@
+"""Tests for mfuwatch.agent.peaks: the GPU table, name/id matching, dtype keys, calibration."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from mfuwatch.agent import peaks
+from mfuwatch.agent.peaks import DTYPES, GpuSpec, lookup
+
+# NVML names (as nvidia-smi / nvmlDeviceGetName print them) -> the row each must resolve to.
+NVML_NAMES = {
+    "NVIDIA A100-SXM4-40GB": "NVIDIA A100 SXM4 40GB",
+    "NVIDIA A100-SXM4-80GB": "NVIDIA A100 SXM4 80GB",
+    "NVIDIA A100-PCIE-40GB": "NVIDIA A100 PCIe 40GB",
+    "NVIDIA A100 80GB PCIe": "NVIDIA A100 PCIe 80GB",
+    "NVIDIA H100 80GB HBM3": "NVIDIA H100 SXM5 80GB",
+    "NVIDIA H100 PCIe": "NVIDIA H100 PCIe",
+    "NVIDIA H100 NVL": "NVIDIA H100 NVL",
+    "NVIDIA H200": "NVIDIA H200 SXM",
+    "NVIDIA H200 NVL": "NVIDIA H200 NVL",
+    "NVIDIA B200": "NVIDIA B200",
+    "NVIDIA GB200": "NVIDIA GB200",
+    "NVIDIA L4": "NVIDIA L4",
+    "NVIDIA L40S": "NVIDIA L40S",
+    "NVIDIA A10G": "NVIDIA A10G",
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    peaks._warned.clear()
+    yield
+    peaks._warned.clear()
+
+
+def test_h200_by_name_matches_datasheet_dense_values():
+    spec = lookup(name="NVIDIA H200")
+    assert spec is not None and spec.name == "NVIDIA H200 SXM"
+    # Datasheet prints tensor rates with 2:4 sparsity; dense is half of them.
+    assert spec.peak_flops["bf16"] == pytest.approx(1979e12 / 2, rel=1e-3)
+    assert spec.peak_flops["tf32"] == pytest.approx(989e12 / 2, rel=1e-3)
+    assert spec.peak_flops["fp8"] == pytest.approx(3958e12 / 2, rel=1e-3)
+    assert spec.peak_flops["fp32"] == pytest.approx(67e12, rel=0.01)
+    assert spec.memory_bandwidth_bytes_per_second == pytest.approx(4.8e12)
+
+
+@pytest.mark.parametrize("pci", [0x2335, 0x233510DE])
+def test_h200_by_pci_id_16_and_32_bit(pci):
+    spec = lookup(pci_device_id=pci)
+    assert spec is not None and spec.name == "NVIDIA H200 SXM"
+
+
+def test_pci_id_of_other_vendor_is_not_matched():
+    assert lookup(pci_device_id=0x23351002) is None  # device 0x2335 but vendor AMD
+
+
+def test_pci_id_wins_over_name_and_unknown_id_falls_back_to_name():
+    assert lookup(name="NVIDIA H200", pci_device_id=0x233B).name == "NVIDIA H200 NVL"
+    assert lookup(name="NVIDIA L4", pci_device_id=0xFFFE).name == "NVIDIA L4"
+
+
+@pytest.mark.parametrize("nvml_name,row", sorted(NVML_NAMES.items()))
+def test_every_listed_gpu_resolves(nvml_name, row):
+    spec = lookup(name=nvml_name)
+    assert spec is not None, nvml_name
+    assert spec.name == row
+    # The same row by its id, where the table lists one.
+    for dev_id in spec.pci_device_ids:
+        assert lookup(pci_device_id=(dev_id << 16) | 0x10DE) is spec
+
+
+def test_longer_alias_wins():
+    assert lookup(name="NVIDIA H200 NVL").name == "NVIDIA H200 NVL"
+    assert lookup(name="NVIDIA H200").name == "NVIDIA H200 SXM"
+    assert lookup(name="NVIDIA H200 141GB HBM3e NVL").name == "NVIDIA H200 NVL"  # words in another order
+    assert lookup(name="NVIDIA H100 NVL").name == "NVIDIA H100 NVL"
+    assert lookup(name="nvidia h100-pcie").name == "NVIDIA H100 PCIe"
+
+
+def _row(name, aliases):
+    flops = {k: 1e12 for k in DTYPES}
+    return GpuSpec(name=name, aliases=aliases, pci_device_ids=[], peak_flops=flops,
+                   memory_bandwidth_bytes_per_second=1e12, source="test")
+
+
+def test_precedence_and_ties_on_a_custom_table():
+    base, nvl, other = _row("X9", ["Acme X9"]), _row("X9 NVL", ["Acme X9 NVL"]), _row("Y1", ["X9 Turbo"])
+    table = [base, nvl, other]
+    assert lookup(name="Acme X9 NVL", table=table) is nvl  # 2 words beat 1
+    assert lookup(name="Acme X9", table=table) is base
+    # "X9 Turbo" (2 words, row Y1) beats the name "X9" (1 word, row X9).
+    assert lookup(name="X9 Turbo", table=table) is other
+    # Two rows matching with aliases of equal length: ambiguous, no guess.
+    assert lookup(name="X9 NVL Turbo", table=table) is None
+
+
+@pytest.mark.parametrize("name", [
+    "NVIDIA GH200 480GB",  # not H200
+    "NVIDIA H100",  # 0x2339, an H100 variant the table does not list
+    "NVIDIA L40",  # not L40S
+    "NVIDIA A10",  # not A10G
+    "NVIDIA A100",  # which A100?
+    "Tesla V100-SXM2-16GB",
+    "NVIDIA H100 80GB HBM3 MIG 1g.10gb",  # a MIG slice has a fraction of the peak
+    "",
+])
+def test_unknown_gpu_is_none(name):
+    assert lookup(name=name) is None
+
+
+def test_unknown_gpu_gets_no_peak_and_one_warning(caplog):
+    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.peaks")
+    for _ in range(3):
+        assert peaks.resolve_peak("cuda:0", "bf16", tf32_allowed=False, name="NVIDIA GH200 480GB",
+                                  pci_device_id=0x234210DE) == (None, "")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1
+    assert "NVIDIA GH200 480GB" in msgs[0] and "0x2342" in msgs[0] and "peak_flops=" in msgs[0]
+
+
+def test_resolve_peak_uses_dtype_and_tf32():
+    spec = lookup(name="NVIDIA H200")
+    assert peaks.resolve_peak("cuda", "bf16", tf32_allowed=False, name="NVIDIA H200") == (
+        spec.peak_flops["bf16"], spec.source)
+    assert peaks.resolve_peak("cuda:1", "fp32", tf32_allowed=True, name="NVIDIA H200")[0] == spec.peak_flops["tf32"]
+    assert peaks.resolve_peak("cuda:1", torch.float32, tf32_allowed=False, name="NVIDIA H200")[0] == pytest.approx(
+        66.9e12)
+    assert peaks.resolve_peak(torch.device("cpu"), "bf16", tf32_allowed=False, name="NVIDIA H200") == (None, "")
+
+
+def test_fp8_on_ampere_is_none_with_source(caplog):
+    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.peaks")
+    flops, source = peaks.resolve_peak("cuda", "fp8", tf32_allowed=False, name="NVIDIA A100-SXM4-80GB")
+    assert flops is None and "A100" in source
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("torch_dtype,autocast,tf32,key", [
+    (torch.float32, None, False, "fp32"),
+    (torch.float32, None, True, "tf32"),
+    (torch.float32, torch.bfloat16, True, "bf16"),  # autocast decides the matmul dtype
+    (torch.float32, torch.float16, False, "fp16"),
+    (torch.bfloat16, None, True, "bf16"),
+    (torch.float8_e4m3fn, None, False, "fp8"),
+    ("bfloat16", None, False, "bf16"),
+    ("float32", "bf16", False, "bf16"),
+])
+def test_training_dtype_key(torch_dtype, autocast, tf32, key):
+    assert peaks.training_dtype_key(torch_dtype, autocast, tf32) == key
+
+
+def test_training_dtype_key_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="int64"):
+        peaks.training_dtype_key(torch.int64)
+
+
+def test_torch_allows_tf32_follows_torch_settings():
+    saved_flag = torch.backends.cuda.matmul.allow_tf32
+    saved_prec = torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        assert peaks.torch_allows_tf32() is False
+        torch.set_float32_matmul_precision("high")
+        assert peaks.torch_allows_tf32() is True
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert peaks.torch_allows_tf32() is True
+    finally:
+        torch.set_float32_matmul_precision(saved_prec)
+        torch.backends.cuda.matmul.allow_tf32 = saved_flag
+
+
+def test_every_row_is_complete():
+    table = peaks.load_table()
+    assert len(table) >= 14
+    names = [s.name for s in table]
+    assert len(set(names)) == len(names)
+    seen_ids = set()
+    for spec in table:
+        assert spec.source.strip(), spec.name
+        assert set(spec.peak_flops) == set(DTYPES), spec.name
+        for key, value in spec.peak_flops.items():
+            if value is None:
+                assert key == "fp8" and ("A100" in spec.name or "A10G" in spec.name), (spec.name, key)
+            else:
+                assert 1e12 <= value <= 1e16, (spec.name, key, value)
+        # Tensor units are never slower than the CUDA cores, and 16-bit is at least TF32.
+        assert spec.peak_flops["bf16"] >= spec.peak_flops["tf32"] >= spec.peak_flops["fp32"] * 0.99, spec.name
+        assert spec.peak_flops["fp16"] == spec.peak_flops["bf16"], spec.name
+        assert 1e11 <= spec.memory_bandwidth_bytes_per_second <= 2e13, spec.name
+        assert not (seen_ids & set(spec.pci_device_ids)), spec.name  # an id names one row
+        seen_ids |= set(spec.pci_device_ids)
+
+
+def test_load_table_names_the_bad_field(tmp_path):
+    bad = tmp_path / "gpus.yaml"
+    bad.write_text("gpus:\n  - name: Foo\n    aliases: []\n    pci_device_ids: []\n"
+                   "    peak_tflops: {fp32: 1, tf32: 2, bf16: 3, fp16: 3}\n"
+                   "    memory_bandwidth_tb_per_second: 1\n    source: x\n")
+    with pytest.raises(ValueError, match=r"Foo.*peak_tflops.*fp8"):
+        peaks.load_table(bad)
+    bad.write_text(bad.read_text().replace("fp16: 3}", "fp16: 3, fp8: 6}").replace("source: x", "source: ''"))
+    with pytest.raises(ValueError, match="source"):
+        peaks.load_table(bad)
+
+
+def test_machine_balance_h200():
+    spec = lookup(name="NVIDIA H200")
+    # DESIGN.md: about 989 TFLOP/s / 4.8 TB/s ~ 206 FLOP/B.
+    assert peaks.machine_balance(spec, "bf16") == pytest.approx(989.4 / 4.8, rel=1e-6)
+    assert peaks.machine_balance(spec, "bf16", unit="cuda") == pytest.approx(66.9 / 4.8, rel=1e-6)
+    with pytest.raises(ValueError, match="unit"):
+        peaks.machine_balance(spec, "bf16", unit="simd")
+    with pytest.raises(ValueError, match="fp8"):
+        peaks.machine_balance(lookup(name="NVIDIA A100-SXM4-80GB"), "fp8")
+
+
+def test_calibrate_matmul_on_cpu_is_plausible():
+    flops = peaks.calibrate_matmul("cpu", torch.float32)
+    assert 1e8 <= flops <= 1e13
+
+
+def test_calibrate_bandwidth_on_cpu_is_plausible():
+    bw = peaks.calibrate_bandwidth("cpu")
+    assert 1e8 <= bw <= 1e13

@@ -1,0 +1,1 @@
+"""Shared test helpers (fakes, local receivers, tool launchers)."""
