@@ -4,7 +4,7 @@ Run on a CUDA machine (the project installed with ``pip install --no-deps --no-b
 
     python3 benchmarks/agent_validation.py [--quick]
 
-1. MFU reported by the agent for a Llama-style ~340 M-parameter bf16 model against MFU computed
+1. MFU reported by the agent for a Llama-style ~270 M-parameter bf16 model (d=2048, 4 layers, V=32000) against MFU computed
    independently: analytic FLOPs (6 N + 12 L d T per token, PaLM appendix B) over synchronized wall time.
 2. Agent overhead: step time with and without the agent (NVML at 1 Hz, exporter on, profiler off),
    paired blocks interleaved in one run, at three batch sizes (step times ~20-200 ms).
@@ -82,9 +82,9 @@ class LM(nn.Module):
         return self.head(self.nf(x))
 
 
-def make(B, T, ckpt=False, L=24):
+def make(B, T, ckpt=False, L=24, d=1024, ff=2816):
     torch.manual_seed(0)
-    m = LM(L=L, ckpt=ckpt).cuda()
+    m = LM(L=L, d=d, h=16, ff=ff, ckpt=ckpt).cuda()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     idx = torch.randint(0, m.V, (B, T), device="cuda")
     tgt = torch.randint(0, m.V, (B, T), device="cuda")
@@ -116,60 +116,79 @@ def out(lines, name):
             f.write(text + "\n\n")
 
 
-def mfu_accuracy(T, batches, steps):
-    lines = ["## 1. Agent MFU vs independent MFU (analytic FLOPs / synchronized wall time, peak 989 TFLOP/s)", "",
-             "| batch x seq | step time (ms) | independent MFU | agent MFU | rel. diff | GPM tensor active | GPM DRAM | GPM SM |",
-             "|---|---|---|---|---|---|---|---|"]
+def mfu_accuracy(T, batches, seconds):
+    lines = ["## 1. Agent MFU vs independent MFU (analytic FLOPs / synchronized wall time, peak 989.4 TFLOP/s)", "",
+             "Same steps for both: the agent reports one interval covering every timed step "
+             "(report_every_steps = steps); the independent MFU divides the analytic FLOPs by the wall time "
+             "between two synchronizations around those steps. GPM ratios are NVML's last 1 s sample, read while "
+             "the steps still run.", "",
+             "| model | batch x seq | steps | step time (ms) | independent MFU | agent MFU | rel. diff | GPM tensor active | GPM DRAM | GPM SM |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for B in batches:
-        m, opt, step = make(B, T)
+        m, opt, step = make(B, T, L=4, d=2048, ff=5632)
         for _ in range(3):
             step()
+        per_step = timed(step, 3)
+        steps = max(10, int(seconds / per_step))
         n = count_matmul_params(m)
         flops = analytic_flops_per_token(n, m.L, m.d, T) * B * T
         agent = Agent(m, opt, run="validate", port=0, nvml_interval_seconds=1.0, profile_every="off",
-                      alerts=False, model_shape={"n_layers": m.L, "d_model": m.d}, report_every_steps=5)
-        wall = timed(step, steps)
-        time.sleep(1.5)  # let NVML take GPM samples over the busy period, and the agent thread poll
-        agent._tick(final=False)
+                      alerts=False, model_shape={"n_layers": m.L, "d_model": m.d}, report_every_steps=steps)
+        gpu = None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step()
+            if i == steps - 3 and agent.nvml is not None:
+                gpu = agent.nvml.latest  # sampled while the GPU is busy
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
         agent.close()
         mm = agent.latest
         indep = flops / wall / PEAK_BF16
-        gpu = agent.nvml.latest if agent.nvml is not None else None
         f = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
-        lines.append(f"| {B}x{T} | {wall * 1e3:.2f} | {indep:.4f} | {f(mm.mfu if mm else None)} | "
+        lines.append(f"| {n / 1e6:.0f} M matmul params, L={m.L} d={m.d} | {B}x{T} | {mm.steps if mm else 0} | "
+                     f"{wall * 1e3:.2f} | {indep:.4f} | {f(mm.mfu if mm else None)} | "
                      f"{(mm.mfu / indep - 1) * 100 if (mm and mm.mfu) else float('nan'):+.2f}% | "
                      f"{f(gpu.tensor_active if gpu else None)} | {f(gpu.dram_active if gpu else None)} | "
                      f"{f(gpu.sm_active if gpu else None)} |")
-        lines.append(f"<!-- N={n} params, agent peak source: {agent.run_info.peak_source}, dtype {agent.run_info.dtype}, "
-                     f"errors {agent.errors.snapshot()} -->")
+        print(f"  peak source: {agent.run_info.peak_source[:60]}..., dtype {agent.run_info.dtype}, "
+              f"agent errors {agent.errors.snapshot()}", flush=True)
         del m, opt, step, agent
         torch.cuda.empty_cache()
     out(lines, "agent_validation.md")
 
 
 def overhead(T, batches, pairs, steps):
-    lines = ["## 2. Agent overhead: paired blocks, median step time without / with the agent (NVML 1 Hz, exporter on)",
-             "", "| batch x seq | without (ms) | with (ms) | overhead | spread without (max/min-1) |", "|---|---|---|---|---|"]
+    lines = ["## 2. Agent overhead: step time without / with the agent (NVML 1 Hz, exporter on, profiler off)", "",
+             f"{pairs} pairs of {steps}-step blocks, order alternating; overhead = median over pairs of "
+             "(with / without - 1).", "",
+             "| batch x seq | without (ms, median) | with (ms, median) | overhead (median of pairs) | "
+             "pair spread (IQR) |", "|---|---|---|---|---|"]
     for B in batches:
-        m, opt, step = make(B, T)
+        m, opt, step = make(B, T, L=4, d=2048, ff=5632)
         for _ in range(5):
             step()
-        a_times, b_times = [], []
+        a_times, b_times, ratios = [], [], []
         for i in range(pairs):
             order = (False, True) if i % 2 == 0 else (True, False)
+            res = {}
             for with_agent in order:
                 if with_agent:
                     agent = Agent(m, opt, run="overhead", port=0, profile_every="off", alerts=False,
                                   model_shape={"n_layers": m.L, "d_model": m.d})
                     step()  # the first step after attaching carries the dtype detection
-                    b_times.append(timed(step, steps))
+                    res[True] = timed(step, steps)
                     agent.close()
                 else:
                     step()
-                    a_times.append(timed(step, steps))
-        wo, wi = statistics.median(a_times), statistics.median(b_times)
-        lines.append(f"| {B}x{T} | {wo * 1e3:.3f} | {wi * 1e3:.3f} | {(wi / wo - 1) * 100:+.2f}% | "
-                     f"{(max(a_times) / min(a_times) - 1) * 100:.2f}% |")
+                    res[False] = timed(step, steps)
+            a_times.append(res[False])
+            b_times.append(res[True])
+            ratios.append(res[True] / res[False] - 1)
+        q = statistics.quantiles(ratios, n=4)
+        lines.append(f"| {B}x{T} | {statistics.median(a_times) * 1e3:.3f} | {statistics.median(b_times) * 1e3:.3f} | "
+                     f"{statistics.median(ratios) * 100:+.2f}% | {q[0] * 100:+.2f}% .. {q[2] * 100:+.2f}% |")
         del m, opt, step
         torch.cuda.empty_cache()
     out(lines, "agent_validation.md")
@@ -204,8 +223,8 @@ def main():
         return 2
     print(f"# agent validation on {torch.cuda.get_device_name()} (torch {torch.__version__})\n", flush=True)
     T = 1024
-    mfu_accuracy(T, [8] if a.quick else [4, 8, 32], steps=20 if a.quick else 40)
-    overhead(T, [4] if a.quick else [4, 8, 32], pairs=4 if a.quick else 6, steps=15 if a.quick else 25)
+    mfu_accuracy(T, [8] if a.quick else [4, 8, 32], seconds=3.0)
+    overhead(T, [4] if a.quick else [4, 8, 32], pairs=6 if a.quick else 12, steps=20)
     flop_counter_path(T, 4)
     return 0
 
