@@ -282,7 +282,7 @@ class Agent:
 
             alerts_cfg = None if self.config.alerts in (None, True) else self.config.alerts
             self.alerts = AlertEngine.from_config(alerts_cfg, run_info=self.run_info, registry=self.registry,
-                                                  on_event=self.timeline.write)
+                                                  on_event=self.timeline.write, on_error=self.errors.count)
             self.alerts.start()
         except (ValueError, TypeError) as exc:
             if type(exc).__name__ == "AlertConfigError":

@@ -1,0 +1,370 @@
+"""The in-process alert engine: evaluate rules on a background thread, notify from rank 0.
+
+Life of an alert (as in Prometheus): when a rule's expression crosses its
+threshold the alert is *pending*; if it still crosses after ``for`` it *fires*;
+when it stops crossing (or its data disappears) it is *resolved*. A pending alert
+that clears before ``for`` (flapping) sends nothing. Every firing/resolved
+transition goes to ``on_event`` (the agent's timeline) and to the gauge
+``mfuwatch_alerts_firing``, on every rank.
+
+Notifications (as in Alertmanager, from global rank 0 unless
+``notify_from_all_ranks``): alerts are grouped by ``group_by`` labels (the run);
+a group is notified when an alert joins it, when a notified alert resolves, and
+again every ``repeat_interval`` while alerts fire. Alerts matched by a silence,
+inhibited by another firing alert, or re-firing within their rule's ``cooldown``
+after a resolved notification are held back (they still fire). Notifications are
+queued to one thread per notifier; nothing here waits on the network.
+
+Threads: an evaluation thread (every ``evaluation_interval``) and a stalled-loop
+watchdog (every ``watchdog_interval``, the ``seconds_since_last_step`` rules only),
+so a training loop blocked in a collective or the data loader still pages.
+
+Usage (the agent does this)::
+
+    engine = AlertEngine.from_config(cfg, run_info=run_info, registry=registry, on_event=timeline.write)
+    engine.start()
+    engine.observe_step(step); engine.observe_window(window); engine.observe_gpu(sample)
+    engine.close(timeout=2.0)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from mfuwatch.agent.schema import M, GpuHealth, RunInfo, StepMeasurement, WindowMeasurement
+
+from .config import AlertConfig, load_config
+from .model import AlertSnapshot, Notification
+from .notifiers import build_notifier
+from .notifiers.base import OUTCOMES, NotifierWorker
+from .rules import Rule
+from .secrets import SecretError
+from .signals import MeasurementStore, memory_bound_ops, suggestion_rows
+from .templates import fmt_pct
+from .validation import AlertConfigError
+
+log = logging.getLogger("mfuwatch.alerts")
+
+WATCHDOG_SIGNALS = ("seconds_since_last_step",)
+
+
+@dataclass
+class _AlertState:
+    rule: Rule
+    labels: Dict[str, str]
+    state: str = "inactive"  # inactive | pending | firing
+    active_since: Optional[float] = None
+    fired_at: Optional[float] = None
+    resolved_at: Optional[float] = None
+    value: Optional[float] = None
+    annotations: Dict[str, str] = field(default_factory=dict)
+    context: Dict[str, Any] = field(default_factory=dict)
+    notified: bool = False  # this firing episode was notified
+    resolved_pending: bool = False  # a resolved notification is owed
+    resolved_notified_at: Optional[float] = None  # for the cool-down
+
+
+@dataclass
+class _GroupState:
+    sent: frozenset = frozenset()  # alert names in the last notification, firing
+    last_sent: Optional[float] = None
+
+
+class AlertEngine:
+    """Evaluates alert rules over the agent's measurements and sends notifications.
+
+    Build it with :meth:`from_config`. ``clock`` (unix seconds, default
+    ``time.time``) drives ``for``, cool-down and repeat timing and can be a fake
+    clock in tests. Metrics go to ``registry`` (a private one when ``None``):
+    ``mfuwatch_alerts_firing{run,rank,alertname,severity}`` and
+    ``mfuwatch_notifications_total{run,rank,sink,outcome}``.
+    """
+
+    def __init__(self, config: AlertConfig, *, run_info: RunInfo, registry: Optional[CollectorRegistry] = None,
+                 on_event: Optional[Callable[[dict], None]] = None, clock: Optional[Callable[[], float]] = None,
+                 on_error: Optional[Callable[[str, BaseException], None]] = None):
+        self.config = config
+        self._on_error = on_error
+        self._err_lock = threading.Lock()
+        self.run_info = run_info
+        self._clock = clock or time.time
+        self._on_event = on_event
+        self.store = MeasurementStore(self._clock)
+        self._lock = threading.RLock()
+        self._errors = 0
+        self._logged: set = set()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        self._closed = False
+        rules = [r for r in config.rules if r.enabled and r.in_process]
+        self._watch_rules = [r for r in rules if r.expr in WATCHDOG_SIGNALS]
+        self._eval_rules = [r for r in rules if r.expr not in WATCHDOG_SIGNALS]
+        base = {"run": run_info.run, "rank": str(run_info.rank)}
+        if run_info.host:
+            base["host"] = run_info.host
+        self._states: Dict[str, _AlertState] = {
+            r.name: _AlertState(r, {"alertname": r.name, "severity": r.severity, **base, **r.labels}) for r in rules}
+        self._groups: Dict[Tuple[str, ...], _GroupState] = {}
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._firing = Gauge(M.ALERTS_FIRING, "1 while the alert fires (in-process engine)",
+                             ["run", "rank", "alertname", "severity"], registry=self.registry)
+        self._notifications = Counter(M.NOTIFICATIONS_TOTAL, "Notifications by sink and outcome "
+                                      "(sent, failed, dropped; retry counts attempts)",
+                                      ["run", "rank", "sink", "outcome"], registry=self.registry)
+        for r in rules:
+            self._firing.labels(run_info.run, str(run_info.rank), r.name, r.severity).set(0)
+        self.notifying = run_info.rank == 0 or config.notify_from_all_ranks
+        self.workers: List[NotifierWorker] = []
+        if self.notifying:
+            for n in config.notifiers:
+                try:
+                    notifier = build_notifier(n)
+                except SecretError as exc:
+                    raise AlertConfigError(str(exc)) from None
+                except ValueError as exc:
+                    raise AlertConfigError(str(exc)) from None
+                self.workers.append(NotifierWorker(notifier, self._count))
+                for outcome in OUTCOMES:
+                    self._notifications.labels(run_info.run, str(run_info.rank), n.name, outcome)
+
+    @classmethod
+    def from_config(cls, config: Union[dict, str, Path, AlertConfig, None], *, run_info: RunInfo,
+                    registry: Optional[CollectorRegistry] = None, on_event: Optional[Callable[[dict], None]] = None,
+                    clock: Optional[Callable[[], float]] = None,
+                    on_error: Optional[Callable[[str, BaseException], None]] = None) -> "AlertEngine":
+        """Validate ``config`` (dict, YAML path, ``None`` = shipped defaults with a console notifier) and build.
+
+        ``on_event(record)`` receives the timeline record of every firing/resolved
+        transition; ``on_error("alerts", exc)`` (optional, e.g. the agent's
+        ``ErrorCounter.count``) is told of every exception the engine swallows.
+        Raises :class:`~mfuwatch.alerts.AlertConfigError` (a ``ValueError``) for an
+        invalid config or a notifier secret that cannot be read.
+        """
+        cfg = config if isinstance(config, AlertConfig) else load_config(config)
+        return cls(cfg, run_info=run_info, registry=registry, on_event=on_event, clock=clock, on_error=on_error)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "AlertEngine":
+        """Start the notifier threads, the evaluation thread and the stalled-loop watchdog (idempotent)."""
+        if self._threads or self._closed:
+            return self
+        for w in self.workers:
+            w.start()
+        for name, interval, rules in (("mfuwatch-alerts-eval", self.config.evaluation_interval_seconds,
+                                       self._eval_rules),
+                                      ("mfuwatch-alerts-watchdog", self.config.watchdog_interval_seconds,
+                                       self._watch_rules)):
+            if rules:
+                t = threading.Thread(target=self._loop, args=(interval, rules), name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop evaluating and deliver queued notifications for at most ``timeout`` seconds. Never hangs."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + max(0.0, timeout)
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in self.workers:
+            w.begin_close(deadline)
+        for w in self.workers:
+            w.close(deadline)
+
+    @property
+    def errors(self) -> int:
+        """How many exceptions the engine caught (observe_*, evaluation, callbacks)."""
+        return self._errors
+
+    # -- feeding (training thread, agent threads): O(1), never raise ---------------------------
+    def observe_step(self, m: StepMeasurement) -> None:
+        """Record a report interval (MFU, the step clock for the watchdog)."""
+        try:
+            self.store.observe_step(m)
+        except Exception as exc:  # noqa: BLE001
+            self._error("observe_step", exc)
+
+    def observe_window(self, w: WindowMeasurement) -> None:
+        """Record a profiler window (memory-bound share, idle share, top ops, suggestions)."""
+        try:
+            self.store.observe_window(w)
+        except Exception as exc:  # noqa: BLE001
+            self._error("observe_window", exc)
+
+    def observe_gpu(self, h: GpuHealth) -> None:
+        """Record an NVML sample (throttle reasons, Xid/ECC counts, memory)."""
+        try:
+            self.store.observe_gpu(h)
+        except Exception as exc:  # noqa: BLE001
+            self._error("observe_gpu", exc)
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def state(self, alertname: str) -> str:
+        """``inactive``, ``pending`` or ``firing`` (``KeyError`` for a rule the engine does not evaluate)."""
+        return self._states[alertname].state
+
+    def evaluate(self, now: Optional[float] = None, *, rules: Optional[List[Rule]] = None) -> None:
+        """Evaluate ``rules`` (all in-process rules by default) at ``now`` and queue due notifications."""
+        now = self._clock() if now is None else now
+        rules = (self._eval_rules + self._watch_rules) if rules is None else rules
+        events: List[dict] = []
+        with self._lock:
+            window = self.store.latest_window()
+            for rule in rules:
+                st = self._states[rule.name]
+                try:
+                    value = self.store.value(rule.expr, rule.params(), now)
+                except Exception as exc:  # noqa: BLE001 - one bad measurement must not stop the other rules
+                    self._error(f"evaluate {rule.name}", exc)
+                    continue
+                if value is not None:
+                    st.value = value
+                if rule.crosses(value):
+                    if st.state == "inactive":
+                        st.state, st.active_since = "pending", now
+                    if st.state == "pending" and now - st.active_since >= rule.for_seconds:
+                        st.state, st.fired_at, st.notified = "firing", now, False
+                        self._render(st, window)
+                        events.append(self._transition(st, "firing", now))
+                    elif st.state == "firing":
+                        self._render(st, window)
+                elif st.state == "pending":
+                    st.state, st.active_since = "inactive", None
+                elif st.state == "firing":
+                    st.state, st.resolved_at = "inactive", now
+                    st.resolved_pending = st.notified
+                    events.append(self._transition(st, "resolved", now))
+            if self.notifying and self.workers:
+                self._dispatch(now)
+        for record in events:
+            if self._on_event is not None:
+                try:
+                    self._on_event(record)
+                except Exception as exc:  # noqa: BLE001 - a broken timeline must not stop alerting
+                    self._error("on_event", exc)
+
+    def _loop(self, interval: float, rules: List[Rule]) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.evaluate(rules=rules)
+            except Exception as exc:  # noqa: BLE001
+                self._error("evaluate", exc)
+
+    def _transition(self, st: _AlertState, status: str, now: float) -> dict:
+        self._firing.labels(self.run_info.run, str(self.run_info.rank), st.rule.name,
+                            st.rule.severity).set(1 if status == "firing" else 0)
+        return self._snapshot(st, status).record(now)
+
+    def _render(self, st: _AlertState, window) -> None:
+        """Refresh the annotations and context of a firing alert from its value and the latest window."""
+        try:
+            self._render_unsafe(st, window)
+        except Exception as exc:  # noqa: BLE001 - a bad window must not stop the alert from firing
+            self._error("render", exc)
+
+    def _render_unsafe(self, st: _AlertState, window) -> None:
+        rule = st.rule
+        suggestions = suggestion_rows(window) if window is not None else []
+        top = (suggestions[0]["kernel"], suggestions[0]["expected_gain"]) if suggestions else None
+        static = rule.static()
+        st.annotations = {k: t.render(value=st.value, labels=st.labels, static=static, suggestion=top)
+                          for k, t in rule.annotations.items()}
+        if rule.expr == "memory_bound_share":
+            ops = memory_bound_ops(window)
+            st.context = {"top_ops": ops, "suggestions": suggestions}
+            if suggestions:
+                s = suggestions[0]
+                st.annotations.update(
+                    suggested_kernel=s["kernel"], suggested_apply=s["apply"],
+                    suggested_expected_gain="%.4g" % s["expected_gain"],
+                    suggestions="\n".join(f"{x['kernel']} [{x['kind']}]: {x['apply']} (expected gain "
+                                          f"{fmt_pct(x['expected_gain'])} of step time)" for x in suggestions))
+                bundled = [x for x in suggestions if x["kind"] == "bundled"]
+                if bundled:
+                    st.annotations.update(bundled_kernel=bundled[0]["kernel"], bundled_apply=bundled[0]["apply"],
+                                          bundled_expected_gain="%.4g" % bundled[0]["expected_gain"])
+            if ops:
+                st.annotations["top_memory_bound_ops"] = ", ".join(f"{o['op']} {fmt_pct(o['share'])}" for o in ops)
+
+    # -- notification policy --------------------------------------------------------------------
+    def _muted(self, st: _AlertState, now: float, firing: List[Mapping[str, str]]) -> bool:
+        if any(s.active(st.labels, now) for s in self.config.silences):
+            return True
+        return any(i.inhibits(st.labels, firing) for i in self.config.inhibit_rules)
+
+    def _dispatch(self, now: float) -> None:
+        firing = [st.labels for st in self._states.values() if st.state == "firing"]
+        groups: Dict[Tuple[str, ...], List[_AlertState]] = {}
+        for st in self._states.values():
+            groups.setdefault(tuple(st.labels.get(k, "") for k in self.config.group_by), []).append(st)
+        for key, members in groups.items():
+            g = self._groups.setdefault(key, _GroupState())
+            notifiable = [st for st in members if st.state == "firing" and not self._muted(st, now, firing)
+                          and not (st.resolved_notified_at is not None
+                                   and now - st.resolved_notified_at < st.rule.cooldown_seconds)]
+            resolved = [st for st in members if st.resolved_pending]
+            names = frozenset(st.rule.name for st in notifiable)
+            repeat_due = bool(notifiable) and g.last_sent is not None and \
+                now - g.last_sent >= self.config.repeat_interval_seconds
+            if not (names - g.sent or resolved or repeat_due):
+                g.sent = g.sent & names  # muted alerts leave the group silently
+                continue
+            alerts = tuple([self._snapshot(st, "firing") for st in notifiable]
+                           + [self._snapshot(st, "resolved") for st in resolved])
+            notification = Notification(dict(zip(self.config.group_by, key)), alerts,
+                                        external_url=self.run_info.exporter_url)
+            for w in self.workers:
+                w.submit(notification)
+            g.sent, g.last_sent = names, now
+            for st in notifiable:
+                st.notified = True
+            for st in resolved:
+                st.resolved_pending, st.notified, st.resolved_notified_at = False, False, now
+
+    def _snapshot(self, st: _AlertState, status: str) -> AlertSnapshot:
+        rule = st.rule
+        return AlertSnapshot(
+            name=rule.name, status=status, severity=rule.severity, labels=dict(st.labels),
+            annotations=dict(st.annotations), starts_at=st.fired_at or 0.0,
+            ends_at=st.resolved_at if status == "resolved" else None, value=st.value, threshold=rule.threshold,
+            op=rule.op, unit=rule.signal.unit, for_seconds=rule.for_seconds,
+            generator_url=self.run_info.exporter_url, dashboard_url=self._dashboard_url(st),
+            context=dict(st.context))
+
+    def _dashboard_url(self, st: _AlertState) -> str:
+        base = self.config.grafana_url.rstrip("/")
+        if not base or not st.rule.dashboard:
+            return ""
+        start_ms = int(((st.fired_at or 0.0) - 3600.0) * 1000)
+        query = urllib.parse.urlencode({"var-run": st.labels.get("run", ""), "var-rank": st.labels.get("rank", ""),
+                                        "from": str(start_ms), "to": "now"})
+        return f"{base}/d/{st.rule.dashboard}?{query}"
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _count(self, sink: str, outcome: str) -> None:
+        self._notifications.labels(self.run_info.run, str(self.run_info.rank), sink, outcome).inc()
+
+    def _error(self, component: str, exc: BaseException) -> None:
+        try:
+            with self._err_lock:
+                self._errors += 1
+                first = component not in self._logged
+                self._logged.add(component)
+            if first:
+                log.warning("mfuwatch alerts: %s failed (%s); training continues, further failures are only "
+                            "counted", component, type(exc).__name__, exc_info=exc)
+            if self._on_error is not None:
+                self._on_error("alerts", exc)
+        except Exception:  # noqa: BLE001 - error accounting must never raise
+            pass

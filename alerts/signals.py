@@ -1,0 +1,235 @@
+"""The expressions a rule can alert on, each defined twice: over measurements and in PromQL.
+
+A rule's ``expr`` names one signal from :data:`SIGNALS`; the rule compares the
+signal's value with its threshold (``op``). Each signal knows how to compute its
+value from the dataclasses of :mod:`mfuwatch.agent.schema` inside the training
+process (:class:`MeasurementStore`) and how to write the same quantity as PromQL
+over the exported metrics (:func:`Signal.promql`), which is what makes the
+in-process engine and the generated Prometheus rules equivalent.
+
+The store is fed on the training thread and the agent's threads: every
+``observe_*`` is O(1) under a small lock and keeps only what the signals need.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Tuple
+
+from mfuwatch.agent.schema import M, GpuHealth, StepMeasurement, WindowMeasurement
+
+from .validation import format_duration
+
+#: NVML clock-event reasons that mean the GPU slowed itself down (thermal, power brake,
+#: hardware slowdown). ``sw_power_cap`` is left out by default: a training GPU at its
+#: power limit is normal and would page all the time. Names are NVML's
+#: ``nvmlClocksEventReason*`` constants in snake case (NVML API reference, "Clocks Event Reasons").
+DEFAULT_THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
+
+#: MFU samples kept for the regression baseline (one per agent report; 4096 reports
+#: cover an hour at the default report interval with room to spare).
+MFU_HISTORY = 4096
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One alertable quantity.
+
+    ``unit`` drives formatting (``ratio`` → percent, ``seconds`` → duration,
+    ``count`` → number); ``params`` lists the rule keys it reads (``window``,
+    ``offset``, ``reasons``); ``in_process`` is false for signals only Prometheus
+    can compute (they need every rank's series); ``dashboard`` is the Grafana
+    dashboard uid that shows it.
+    """
+
+    name: str
+    help: str
+    unit: str
+    params: Tuple[str, ...]
+    in_process: bool
+    dashboard: str
+    _promql: Callable[[Mapping], str]
+
+    def promql(self, rule: Mapping) -> str:
+        """The PromQL expression of this signal (without the comparison) for a rule's params."""
+        return self._promql(rule)
+
+
+def _regex(values) -> str:
+    return "|".join(v.replace("|", r"\|") for v in values)
+
+
+_TRAINING = "mfuwatch-training-mfu"
+_GPU = "mfuwatch-gpu-health"
+_RANKS = "mfuwatch-cross-rank"
+
+SIGNALS: Dict[str, Signal] = {s.name: s for s in (
+    Signal("mfu", "MFU of the latest report interval (None when the peak FLOP/s is unknown)", "ratio", (), True,
+           _TRAINING, lambda r: M.MFU),
+    Signal("mfu_vs_baseline",
+           "MFU over the run's own median MFU in [now-offset-window, now-offset] (1.0 = no change)", "ratio",
+           ("window", "offset"), True, _TRAINING,
+           lambda r: f"{M.MFU} / quantile_over_time(0.5, {M.MFU}[{format_duration(r['window'])}] "
+                     f"offset {format_duration(r['offset'])})"),
+    Signal("memory_bound_share", "memory-bound share of GPU busy time in the latest profiler window", "ratio", (),
+           True, _TRAINING, lambda r: M.MEMORY_BOUND_SHARE),
+    Signal("idle_share", "idle share of wall time in the latest profiler window (input stalls, launch-bound)",
+           "ratio", (), True, _TRAINING, lambda r: f'max without (category) ({M.GPU_TIME_SHARE}{{category="idle"}})'),
+    Signal("seconds_since_last_step", "seconds since the last reported optimizer step (after the first one)",
+           "seconds", (), True, _RANKS, lambda r: f"time() - {M.LAST_STEP_TIMESTAMP_SECONDS}"),
+    Signal("gpu_throttle_reasons", "number of the listed NVML clock-event reasons active in the latest sample",
+           "count", ("reasons",), True, _GPU,
+           lambda r: f'sum without (reason) ({M.GPU_CLOCK_EVENT_REASON}{{reason=~"{_regex(r["reasons"])}"}})'),
+    Signal("gpu_xid_errors_increase", "new Xid errors over the last `window`", "count", ("window",), True, _GPU,
+           lambda r: f"increase({M.GPU_XID_ERRORS_TOTAL}[{format_duration(r['window'])}])"),
+    Signal("gpu_ecc_uncorrected_increase", "new uncorrected ECC errors over the last `window`", "count", ("window",),
+           True, _GPU,
+           lambda r: f'sum without (type) (increase({M.GPU_ECC_ERRORS_TOTAL}{{type="uncorrected"}}'
+                     f"[{format_duration(r['window'])}]))"),
+    Signal("gpu_memory_used_ratio", "device memory used over total (NVML)", "ratio", (), True, _GPU,
+           lambda r: f"{M.GPU_MEMORY_USED_BYTES} / {M.GPU_MEMORY_TOTAL_BYTES}"),
+    Signal("step_time_vs_run_median",
+           "a rank's mean step time over `window` divided by the median over the run's ranks (Prometheus only)",
+           "ratio", ("window",), False, _RANKS,
+           lambda r: (f"(rate({M.STEP_DURATION_SECONDS}_sum[{format_duration(r['window'])}]) / "
+                      f"rate({M.STEP_DURATION_SECONDS}_count[{format_duration(r['window'])}])) / on (run) "
+                      f"group_left () quantile by (run) (0.5, rate({M.STEP_DURATION_SECONDS}_sum"
+                      f"[{format_duration(r['window'])}]) / rate({M.STEP_DURATION_SECONDS}_count"
+                      f"[{format_duration(r['window'])}]))")),
+)}
+
+
+class MeasurementStore:
+    """The latest measurements and the short histories the signals need.
+
+    ``clock`` returns unix seconds (injectable for tests). Thread-safe; every
+    ``observe_*`` is O(1) amortised and never blocks for long.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.step: Optional[StepMeasurement] = None
+        self.window: Optional[WindowMeasurement] = None
+        self.gpu: Optional[GpuHealth] = None
+        self.last_step_at: Optional[float] = None  # engine clock when the last step report arrived
+        self._mfu: Deque[Tuple[float, float]] = collections.deque(maxlen=MFU_HISTORY)
+        self._prev_errors: Optional[Tuple[int, int]] = None  # (xid, uncorrected ecc) of the previous sample
+        self._xid_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
+        self._ecc_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
+
+    # -- feeding (training thread / agent threads) --------------------------------------------
+    def observe_step(self, m: StepMeasurement) -> None:
+        """Record one report interval; MFU goes into the baseline history."""
+        now = self._clock()
+        mfu = None if m.mfu is None else float(m.mfu)  # a bad value raises here, before anything is stored
+        with self._lock:
+            self.step = m
+            self.last_step_at = now
+            if mfu is not None:
+                self._mfu.append((now, mfu))
+
+    def observe_window(self, w: WindowMeasurement) -> None:
+        """Record the latest profiler window."""
+        with self._lock:
+            self.window = w
+
+    def observe_gpu(self, h: GpuHealth) -> None:
+        """Record one NVML sample; new Xid/ECC errors are the increase over the previous sample.
+
+        The first sample is the baseline (as Prometheus ``increase()`` ignores a
+        counter's initial value); a counter that goes down is treated as a reset.
+        """
+        now = self._clock()
+        xid = int(h.xid_errors or 0)
+        ecc = int((h.ecc_errors or {}).get("uncorrected", 0) or 0)
+        with self._lock:
+            self.gpu = h
+            if self._prev_errors is not None:
+                px, pe = self._prev_errors
+                dx = xid - px if xid >= px else xid
+                de = ecc - pe if ecc >= pe else ecc
+                if dx > 0:
+                    self._xid_events.append((now, dx))
+                if de > 0:
+                    self._ecc_events.append((now, de))
+            self._prev_errors = (xid, ecc)
+
+    # -- reading (evaluation threads) ---------------------------------------------------------
+    def value(self, signal: str, rule: Mapping, now: float) -> Optional[float]:
+        """The signal's current value, or ``None`` when there is nothing to compare (no data yet)."""
+        with self._lock:
+            if signal == "mfu":
+                return None if self.step is None or self.step.mfu is None else float(self.step.mfu)
+            if signal == "mfu_vs_baseline":
+                return self._mfu_vs_baseline(rule, now)
+            if signal == "memory_bound_share":
+                return None if self.window is None else float(self.window.memory_bound_share)
+            if signal == "idle_share":
+                if self.window is None or "idle" not in (self.window.breakdown or {}):
+                    return None
+                return float(self.window.breakdown["idle"])
+            if signal == "seconds_since_last_step":
+                return None if self.last_step_at is None else max(0.0, now - self.last_step_at)
+            if signal == "gpu_throttle_reasons":
+                if self.gpu is None or not self.gpu.clock_event_reasons:
+                    return None
+                return float(sum(1 for r in rule["reasons"] if self.gpu.clock_event_reasons.get(r)))
+            if signal == "gpu_xid_errors_increase":
+                return None if self._prev_errors is None else _sum_since(self._xid_events, now - rule["window"])
+            if signal == "gpu_ecc_uncorrected_increase":
+                return None if self._prev_errors is None else _sum_since(self._ecc_events, now - rule["window"])
+            if signal == "gpu_memory_used_ratio":
+                g = self.gpu
+                if g is None or not g.memory_total_bytes or g.memory_used_bytes is None:
+                    return None
+                return float(g.memory_used_bytes) / float(g.memory_total_bytes)
+        return None  # Prometheus-only signals have no in-process value
+
+    def latest_window(self) -> Optional[WindowMeasurement]:
+        """The latest profiler window (for suggestions and the top-ops table)."""
+        with self._lock:
+            return self.window
+
+    def _mfu_vs_baseline(self, rule: Mapping, now: float) -> Optional[float]:
+        if self.step is None or self.step.mfu is None:
+            return None
+        hi = now - rule["offset"]
+        lo = hi - rule["window"]
+        base = [v for t, v in self._mfu if lo < t <= hi]
+        if not base:
+            return None
+        median = statistics.median(base)
+        return None if median <= 0 else float(self.step.mfu) / median
+
+
+def _sum_since(events: Deque[Tuple[float, int]], since: float) -> float:
+    return float(sum(n for t, n in events if t > since))
+
+
+def suggestion_rows(window: Optional[WindowMeasurement], limit: int = 3) -> List[dict]:
+    """The first ``limit`` suggestions of a window as plain dicts, in the agent's ranking order.
+
+    The agent ranks existing PyTorch fixes first; when none of the first ``limit`` is a
+    bundled mfuwatch kernel, the first bundled one is appended, so the alert always
+    names the drop-in when there is one.
+    """
+    if window is None:
+        return []
+    every = list(window.suggestions or [])
+    chosen = every[:limit]
+    if not any(s.kind == "bundled" for s in chosen):
+        chosen += [s for s in every[limit:] if s.kind == "bundled"][:1]
+    return [{"kernel": s.kernel, "title": s.title, "apply": s.apply, "expected_gain": float(s.expected_gain),
+             "kind": s.kind, "ops": list(s.ops)} for s in chosen]
+
+
+def memory_bound_ops(window: Optional[WindowMeasurement], limit: int = 5) -> List[dict]:
+    """The window's top memory-bound ops as ``{"op", "share", "time_seconds"}``, largest share first."""
+    if window is None:
+        return []
+    ops = sorted((o for o in (window.top_ops or []) if o.bound == "memory"), key=lambda o: o.share, reverse=True)
+    return [{"op": o.op, "share": float(o.share), "time_seconds": float(o.time_seconds)} for o in ops[:limit]]

@@ -1,0 +1,108 @@
+"""Fixtures for the alert tests: a fake clock, a run, a local HTTP receiver, and Debian's Prometheus tools.
+
+``promtool`` (Debian package ``prometheus``) and ``amtool`` / ``prometheus-alertmanager``
+(package ``prometheus-alertmanager``) are installed with apt-get when missing
+(``tests/helpers/debian_tools.py``), with service start-up forbidden meanwhile. Where
+that is impossible the tests that need them skip, except under ``CI=true``, where
+they fail: CI must run them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from helpers.debian_tools import ensure_binary  # noqa: E402
+from helpers.receiver import AlertReceiver  # noqa: E402
+
+from mfuwatch.agent.schema import RunInfo  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeClock:
+    """Unix seconds that move only when the test says so."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> float:
+        self.t += seconds
+        return self.t
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def run_info() -> RunInfo:
+    return RunInfo(run="run-a", rank=0, world_size=1, host="node7", exporter_url="http://127.0.0.1:9478/metrics")
+
+
+@pytest.fixture
+def receiver():
+    with AlertReceiver() as rx:
+        yield rx
+
+
+@contextlib.contextmanager
+def _no_service_start():
+    """Forbid package scripts to start services while apt-get runs (``policy-rc.d`` exit 101).
+
+    Debian's prometheus and prometheus-alertmanager packages would otherwise start system
+    services listening on every interface (:9090, :9093); the tests only run the binaries,
+    on 127.0.0.1.
+    """
+    policy = Path("/usr/sbin/policy-rc.d")
+    ours = False
+    try:
+        if os.geteuid() == 0 and not policy.exists() and shutil.which("apt-get"):
+            policy.write_text("#!/bin/sh\n# written by mfuwatch tests/alerts/conftest.py\nexit 101\n")
+            policy.chmod(0o755)
+            ours = True
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        if ours:
+            policy.unlink(missing_ok=True)
+
+
+def _tool(names, package: str) -> str:
+    if any(shutil.which(n) for n in names):
+        return ensure_binary(names, package)
+    with _no_service_start():
+        return ensure_binary(names, package)
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return _tool(["promtool"], "prometheus")
+
+
+@pytest.fixture(scope="session")
+def amtool() -> str:
+    return _tool(["amtool"], "prometheus-alertmanager")
+
+
+@pytest.fixture(scope="session")
+def alertmanager_bin(amtool) -> str:
+    path = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    if not path:
+        pytest.fail("the prometheus-alertmanager package is installed but its server binary is not on PATH")
+    return path
