@@ -123,6 +123,7 @@ class Agent:
         )
         self._peak: Optional[float] = None
         self._peak_warned = False
+        self._run_info_dirty = False
         self._gpu_spec: Any = None
 
         self.exporter = Exporter(self.run_info)
@@ -151,6 +152,7 @@ class Agent:
 
         self._install_hooks(model, optimizer)
         self.timeline.write(to_record("run", self.run_info))
+        self._run_info_dirty = False
         self._last_gpu_write = 0.0
         self._acc: Dict[str, Any] = self._new_acc()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
@@ -260,6 +262,7 @@ class Agent:
         self.run_info.peak_flops_per_second = self._peak
         self.run_info.peak_source = source
         self.run_info.dtype = self._dtype_key or self.run_info.dtype
+        self._run_info_dirty = True  # the agent thread writes an updated "run" record to the timeline
 
     def _start_nvml(self) -> None:
         if not self.config.nvml or self.device.type != "cuda":
@@ -367,6 +370,7 @@ class Agent:
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
         self._dtype_key = peaks.training_dtype_key(param_dtype, autocast_dtype, tf32 and dev == "cuda")
         self.run_info.dtype = self._dtype_key
+        self._run_info_dirty = True
         if self._peak is None:
             self._resolve_peak()
 
@@ -445,6 +449,9 @@ class Agent:
 
     def _tick(self, final: bool) -> None:
         try:
+            if self._run_info_dirty:  # dtype / peak settled after start: a later "run" record supersedes
+                self._run_info_dirty = False
+                self.timeline.write(to_record("run", self.run_info))
             for iv in self.clock.poll():
                 self._absorb(iv)
             acc = self._acc
