@@ -9,8 +9,6 @@ they fail: CI must run them.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -59,35 +57,8 @@ def receiver():
         yield rx
 
 
-@contextlib.contextmanager
-def _no_service_start():
-    """Forbid package scripts to start services while apt-get runs (``policy-rc.d`` exit 101).
-
-    Debian's prometheus and prometheus-alertmanager packages would otherwise start system
-    services listening on every interface (:9090, :9093); the tests only run the binaries,
-    on 127.0.0.1.
-    """
-    policy = Path("/usr/sbin/policy-rc.d")
-    ours = False
-    try:
-        if os.geteuid() == 0 and not policy.exists() and shutil.which("apt-get"):
-            policy.write_text("#!/bin/sh\n# written by mfuwatch tests/alerts/conftest.py\nexit 101\n")
-            policy.chmod(0o755)
-            ours = True
-    except OSError:
-        pass
-    try:
-        yield
-    finally:
-        if ours:
-            policy.unlink(missing_ok=True)
-
-
 def _tool(names, package: str) -> str:
-    if any(shutil.which(n) for n in names):
-        return ensure_binary(names, package)
-    with _no_service_start():
-        return ensure_binary(names, package)
+    return ensure_binary(names, package)  # installs with service starts forbidden
 
 
 @pytest.fixture(scope="session")

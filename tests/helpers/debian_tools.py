@@ -7,11 +7,13 @@ test fails under CI (``CI=true``) and is skipped elsewhere, naming the package.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import threading
-from typing import Sequence
+from pathlib import Path
+from typing import Iterator, Sequence
 
 import pytest
 
@@ -28,6 +30,29 @@ def _apt(args: Sequence[str]) -> subprocess.CompletedProcess:
     # Another process may hold the dpkg lock (a parallel installer): wait for it rather than fail.
     return subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=600", *args], env=env, capture_output=True,
                           text=True, timeout=900)
+
+
+@contextlib.contextmanager
+def no_service_start() -> Iterator[None]:
+    """Forbid package scripts to start services while apt-get runs (``/usr/sbin/policy-rc.d`` exiting 101).
+
+    Debian's prometheus and prometheus-alertmanager packages would otherwise start system services
+    listening on every interface (:9090, :9093); the tests run the binaries themselves, on 127.0.0.1.
+    """
+    policy = Path("/usr/sbin/policy-rc.d")
+    ours = False
+    try:
+        if os.geteuid() == 0 and not policy.exists():
+            policy.write_text("#!/bin/sh\n# written by mfuwatch tests/helpers/debian_tools.py\nexit 101\n")
+            policy.chmod(0o755)
+            ours = True
+    except OSError:
+        pass
+    try:
+        yield
+    finally:
+        if ours:
+            policy.unlink(missing_ok=True)
 
 
 def ensure_binary(names: Sequence[str], package: str, *extra_packages: str) -> str:
@@ -48,7 +73,8 @@ def ensure_binary(names: Sequence[str], package: str, *extra_packages: str) -> s
             if not _updated:
                 _apt(["update", "-qq"])
                 _updated = True
-            res = _apt(["install", "-y", "-qq", "--no-install-recommends", package, *extra_packages])
+            with no_service_start():
+                res = _apt(["install", "-y", "-qq", "--no-install-recommends", package, *extra_packages])
         for name in names:
             if shutil.which(name):
                 return shutil.which(name)  # type: ignore[return-value]

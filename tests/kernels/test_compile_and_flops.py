@@ -1,0 +1,103 @@
+"""The fused ops inside torch.compile (one graph, no break) and under FlopCounterMode (counted)."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import mfuwatch.kernels as mk
+from mfuwatch.kernels import _flops
+from tests.helpers.kernel_checks import DEVICE
+
+# Import the ops before any FlopCounterMode is built: the mode copies the formula registry
+# when it is constructed.
+OPS = (mk.rms_norm, mk.layer_norm, mk.add_rms_norm, mk.swiglu, mk.geglu)
+
+
+def all_ops(x, res, w, b, gate, up):
+    y1 = mk.rms_norm(x, w)
+    y2, h = mk.add_rms_norm(x, res, w)
+    y3 = mk.layer_norm(h, (x.shape[-1],), w, b)
+    y4 = mk.swiglu(gate, up) + mk.geglu(gate, up, approximate="tanh")
+    return y1.sum() + y2.sum() + 0.5 * h.sum() + (y3 * y3).sum() + y4.sum()
+
+
+def inputs(gen):
+    shapes = [(3, 16), (3, 16), (16,), (16,), (3, 8), (3, 8)]
+    return [torch.randn(s, generator=gen).to(DEVICE).requires_grad_() for s in shapes]
+
+
+def grads_of(fn, leaves):
+    for t in leaves:
+        t.grad = None
+    out = fn(*leaves)
+    out.backward()
+    return out.detach(), [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_compile_matches_eager(backend, gen):
+    # fullgraph=True raises on any graph break; aot_eager also traces the backward (AOTAutograd)
+    leaves = inputs(gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(all_ops, backend=backend, fullgraph=True)
+    out_c, grads_c = grads_of(compiled, leaves)
+    out_e, grads_e = grads_of(all_ops, leaves)
+    assert torch.allclose(out_c, out_e, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_graph_holds_the_custom_ops(gen):
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(all_ops, backend=backend, fullgraph=True)(*inputs(gen))
+    for op in ("mfuwatch.rms_norm", "mfuwatch.add_rms_norm", "mfuwatch.layer_norm", "mfuwatch.swiglu",
+               "mfuwatch.geglu"):
+        assert any(op in s for s in seen), f"{op} not in the compiled graph: {seen}"
+
+
+def test_flop_counter_counts_each_op_by_hand():
+    x = torch.randn(3, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, device=DEVICE, requires_grad=True)
+    with FlopCounterMode(display=False) as fc:
+        mk.rms_norm(x, w).sum().backward()
+    # 48 elements; forward 4 FLOPs each (square, sum, *rstd, *w) = 192; backward 9 each = 432
+    assert fc.get_total_flops() == 192 + 432
+    counts = {str(k): v for k, v in fc.get_flop_counts()["Global"].items()}
+    assert counts == {"mfuwatch.rms_norm": 192, "mfuwatch.rms_norm_backward": 432}
+
+    gate = torch.randn(2, 5, device=DEVICE, requires_grad=True)
+    up = torch.randn(2, 5, device=DEVICE, requires_grad=True)
+    with FlopCounterMode(display=False) as fc:
+        mk.swiglu(gate, up).sum().backward()
+    # 10 elements: forward 5 each (exp, add, divide, *g, *u), backward 11 each
+    assert fc.get_total_flops() == 50 + 110
+
+    with FlopCounterMode(display=False) as fc:
+        mk.layer_norm(x, 16).sum().backward()  # no weight, no bias: 5 forward, 9 backward per element
+    assert fc.get_total_flops() == 48 * 5 + 48 * 9
+
+
+@pytest.mark.parametrize("name", ["add_rms_norm", "layer_norm", "geglu_none", "geglu_tanh"])
+def test_flop_counter_uses_the_documented_table(name, gen):
+    x, res, w, b, gate, up = inputs(gen)
+    n = x.numel()
+    with FlopCounterMode(display=False) as fc:
+        if name == "add_rms_norm":
+            y, h = mk.add_rms_norm(x, res, w)
+            (y.sum() + h.sum()).backward()
+            expected = n * (_flops.RMS_FWD + 1) + n * (_flops.RMS_BWD + 1)
+        elif name == "layer_norm":
+            mk.layer_norm(x, 16, w, b).sum().backward()
+            expected = n * _flops.LN_FWD[(True, True)] + n * _flops.LN_BWD[(True, True)]
+        else:
+            kind = name.split("_")[1]
+            mk.geglu(gate, up, approximate=kind).sum().backward()
+            key = "gelu" if kind == "none" else "gelu_tanh"
+            expected = gate.numel() * (_flops.GLU_FWD[key] + _flops.GLU_BWD[key])
+    assert fc.get_total_flops() == expected

@@ -1,0 +1,174 @@
+"""patch()/unpatch() on real module trees: a tiny Hugging Face Llama built from a config (no download)."""
+
+import pytest
+import torch
+from torch import nn
+
+import mfuwatch.kernels as mk
+from mfuwatch.kernels import patching
+from mfuwatch.kernels.glu import GeGLUMLP, SwiGLUMLP
+from mfuwatch.kernels.layernorm import LayerNorm
+from mfuwatch.kernels.rmsnorm import RMSNorm
+from tests.helpers.kernel_checks import DEVICE
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, vocab_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).to(DEVICE)
+    with torch.no_grad():  # norms start at ones; make them distinct so a wrong offset would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_patch_llama_keeps_loss_and_gradients_then_unpatch_restores():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    params_before = {n: p for n, p in model.named_parameters()}
+    keys_before = list(model.state_dict())
+    loss0, grads0 = loss_and_grads(model, ids)
+
+    report = mk.patch(model, kernels=["rms_norm", "swiglu"])
+    assert report.count("rms_norm") == 5 and report.count("swiglu") == 2 and report.left == []
+    assert isinstance(model.model.layers[0].input_layernorm, RMSNorm)
+    assert isinstance(model.model.layers[1].mlp, SwiGLUMLP)
+    assert model.model.norm.casting == "llama" and model.model.norm.offset == 0.0
+    # same Parameter objects (an optimizer built before patching keeps working), same state_dict keys
+    assert {n: p for n, p in model.named_parameters()}.keys() == params_before.keys()
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys_before
+
+    loss1, grads1 = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-5)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+    assert mk.unpatch(model) == 7
+    assert type(model.model.layers[0].input_layernorm).__name__ == "LlamaRMSNorm"
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    loss2, _ = loss_and_grads(model, ids)
+    assert torch.equal(loss2, loss0)
+
+
+def test_optimizer_built_before_patch_still_trains_the_model():
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mk.patch(model)
+    w = model.model.norm.weight
+    before = w.detach().clone()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert not torch.equal(w.detach(), before)
+
+
+def test_training_mode_dtype_and_kernel_filter():
+    model = nn.Sequential(nn.LayerNorm(32), nn.RMSNorm(32, eps=1e-6), nn.Linear(32, 32)).to(DEVICE)
+    model.eval()
+    report = mk.patch(model, kernels=["layer_norm"])
+    assert isinstance(model[0], LayerNorm) and not model[0].training
+    assert isinstance(model[1], nn.RMSNorm)
+    assert [(x.name, x.kernel) for x in report.left] == [("1", "rms_norm")]
+    assert "not requested" in report.left[0].reason
+    report = mk.patch(model)  # the already fused LayerNorm is skipped, the RMSNorm is swapped
+    assert [(s.name, s.kernel) for s in report.swapped] == [("1", "rms_norm")]
+    assert model[1].casting == "fp32" and model[1].eps == 1e-6  # torch.nn.RMSNorm computes in fp32
+    assert "add_rms_norm has no module pattern" in report.notes[0]
+    x = torch.randn(4, 32, device=DEVICE)
+    ref = nn.RMSNorm(32, eps=1e-6).to(DEVICE)(nn.functional.layer_norm(x, (32,)))
+    torch.testing.assert_close(model[:2](x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_norm_offset_and_gelu_mlp_are_recognised():
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm
+
+    cfg = GemmaConfig(hidden_size=32, intermediate_size=48, hidden_act="gelu_pytorch_tanh", vocab_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(3)
+    block = nn.ModuleDict({"norm": GemmaRMSNorm(32, eps=1e-6), "mlp": GemmaMLP(cfg)}).to(DEVICE)
+    with torch.no_grad():
+        block["norm"].weight.normal_(0.0, 0.1)
+    x = torch.randn(3, 32, device=DEVICE)
+    ref_norm, ref_mlp = block["norm"](x), block["mlp"](x)
+    report = mk.patch(block)
+    assert report.count() == 2, str(report)
+    assert block["norm"].offset == 1.0 and block["norm"].casting == "fp32"
+    assert isinstance(block["mlp"], GeGLUMLP) and block["mlp"].approximate == "tanh"
+    torch.testing.assert_close(block["norm"](x), ref_norm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(block["mlp"](x), ref_mlp, rtol=1e-5, atol=1e-5)
+
+
+class _OddMLP(nn.Module):
+    """Has the gated-MLP attributes but computes something else: the probe must refuse it."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(16, 24, bias=False), nn.Linear(16, 24, bias=False)
+        self.down_proj = nn.Linear(24, 16, bias=False)
+        self.act_fn = act
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+
+class _TraceStyleRMSNorm(nn.Module):
+    """RMSNorm with its weight named ``w`` (as in the fixture traces' model): not swappable."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w
+
+
+def test_left_modules_carry_reasons():
+    hooked = nn.LayerNorm(16)
+    hooked.register_forward_hook(lambda m, i, o: None)
+    model = nn.ModuleDict({
+        "odd": _OddMLP(nn.SiLU()),
+        "relu": _OddMLP(nn.ReLU()),
+        "trace_norm": _TraceStyleRMSNorm(16),
+        "hooked": hooked,
+    }).to(DEVICE)
+    report = mk.patch(model)
+    assert report.swapped == []
+    reasons = {x.name: x.reason for x in report.left}
+    assert "probe output differs" in reasons["odd"]
+    assert reasons["relu"] == "activation ReLU has no fused kernel"
+    assert reasons["trace_norm"] == "no 1-D `weight` parameter"
+    assert "hooks" in reasons["hooked"]
+    assert "left" in str(report) and "odd" in str(report)
+
+
+def test_cpu_modules_are_left_without_the_interpreter(monkeypatch):
+    monkeypatch.setattr(patching, "INTERPRET", False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    report = mk.patch(model)
+    assert report.swapped == [] and "need a CUDA device" in report.left[0].reason
+
+
+def test_root_module_and_unknown_kernel_names():
+    root = nn.LayerNorm(8).to(DEVICE)
+    assert mk.patch(root).left[0].reason.startswith("it is the model itself")
+    with pytest.raises(ValueError, match=r"unknown kernel 'rmsnorm' \(did you mean 'rms_norm'\?\); accepted: "
+                                         r"rms_norm, layer_norm, add_rms_norm, swiglu, geglu"):
+        mk.patch(root, kernels=["rmsnorm"])
+    assert patching.KERNEL_NAMES == mk.AVAILABLE_KERNELS
