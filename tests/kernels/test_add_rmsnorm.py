@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mfuwatch.kernels import _norm_triton, add_rmsnorm
+from mfuwatch.kernels import _norm_launch, add_rmsnorm
 from mfuwatch.kernels.add_rmsnorm import add_rms_norm
 from tests.helpers.kernel_checks import DEVICE, assert_close
 
@@ -62,9 +62,9 @@ def test_mixed_dtypes_promote_the_sum(gen):
 
 
 def test_transposed_inputs_and_wide_rows(monkeypatch, gen):
-    monkeypatch.setattr(_norm_triton, "FWD_MAX_FUSED", 128)
-    monkeypatch.setattr(_norm_triton, "BWD_MAX_FUSED", 128)
-    monkeypatch.setattr(_norm_triton, "LOOP_BLOCK", 64)
+    monkeypatch.setattr(_norm_launch, "FWD_MAX_FUSED", 128)
+    monkeypatch.setattr(_norm_launch, "BWD_MAX_FUSED", 128)
+    monkeypatch.setattr(_norm_launch, "LOOP_BLOCK", 64)
     x = torch.randn(200, 21, generator=gen).t()
     r = torch.randn(21, 200, generator=gen)
     run_and_check(x, r, 1.0 + 0.1 * torch.randn(200, generator=gen), torch.float32, gen)

@@ -101,3 +101,22 @@ def test_flop_counter_uses_the_documented_table(name, gen):
             key = "gelu" if kind == "none" else "gelu_tanh"
             expected = gate.numel() * (_flops.GLU_FWD[key] + _flops.GLU_BWD[key])
     assert fc.get_total_flops() == expected
+
+
+def test_modules_compile_fullgraph_including_the_residual_form(gen):
+    norm = mk.RMSNorm(16, eps=1e-6).to(DEVICE)
+    ln = mk.LayerNorm(16).to(DEVICE)
+    mlp = mk.SwiGLUMLP(16, 24).to(DEVICE)
+
+    def block(x, r):
+        y, h = norm(x, r)
+        return (mlp(ln(y)) + h).sum()
+
+    x, r = (torch.randn(2, 3, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    out_c, grads_c = grads_of(compiled, [x, r])
+    out_e, grads_e = grads_of(block, [x, r])
+    assert torch.allclose(out_c, out_e, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)

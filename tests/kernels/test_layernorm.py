@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfuwatch.kernels import _norm_triton, layernorm
+from mfuwatch.kernels import _norm_launch, layernorm
 from mfuwatch.kernels.layernorm import LayerNorm, layer_norm
 from tests.helpers.kernel_checks import DEVICE, assert_close
 
@@ -74,9 +74,9 @@ def test_multi_dim_normalized_shape(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_looped_path_for_wide_rows(monkeypatch, dtype, gen):
-    monkeypatch.setattr(_norm_triton, "FWD_MAX_FUSED", 128)
-    monkeypatch.setattr(_norm_triton, "BWD_MAX_FUSED", 128)
-    monkeypatch.setattr(_norm_triton, "LOOP_BLOCK", 64)
+    monkeypatch.setattr(_norm_launch, "FWD_MAX_FUSED", 128)
+    monkeypatch.setattr(_norm_launch, "BWD_MAX_FUSED", 128)
+    monkeypatch.setattr(_norm_launch, "LOOP_BLOCK", 64)
     x = (torch.randn(21, 300, generator=gen) + 5.0).to(dtype)
     w = (1.0 + 0.1 * torch.randn(300, generator=gen)).to(dtype)
     b = (0.1 * torch.randn(300, generator=gen)).to(dtype)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from tests.helpers.kernel_checks import DEVICE, assert_close
-from mfuwatch.kernels import _common, _norm_triton, rmsnorm
+from mfuwatch.kernels import _common, _norm_launch, rmsnorm
 from mfuwatch.kernels.rmsnorm import RMSNorm, rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -108,9 +108,9 @@ def test_bf16_rows_with_large_outliers(gen):
 def test_looped_path_for_wide_rows(monkeypatch, n, dtype, gen):
     # Rows wider than the register budget walk the row in chunks; shrink the budget to reach
     # that code at test sizes (a chunk of 64 leaves a partial last chunk for both widths).
-    monkeypatch.setattr(_norm_triton, "FWD_MAX_FUSED", 128)
-    monkeypatch.setattr(_norm_triton, "BWD_MAX_FUSED", 128)
-    monkeypatch.setattr(_norm_triton, "LOOP_BLOCK", 64)
+    monkeypatch.setattr(_norm_launch, "FWD_MAX_FUSED", 128)
+    monkeypatch.setattr(_norm_launch, "BWD_MAX_FUSED", 128)
+    monkeypatch.setattr(_norm_launch, "LOOP_BLOCK", 64)
     x = torch.randn(21, n, generator=gen).to(dtype)  # more rows than programs: rows share a dw partial
     w = (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
     run_and_check(x, w, dtype, gen=gen)

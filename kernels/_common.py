@@ -1,0 +1,189 @@
+"""Launch plumbing shared by every fused kernel in :mod:`mfuwatch.kernels`.
+
+What lives here, and why it is shared:
+
+* **Where a kernel runs.** :func:`use_triton` says whether a tensor goes to
+  the Triton kernel (CUDA tensors, or CPU tensors when the Triton interpreter
+  is on, ``TRITON_INTERPRET=1``, as in CI) or to the plain-PyTorch fallback
+  (CPU tensors otherwise, so a patched model still runs on the CPU).
+  :func:`device_guard` makes the tensor's GPU the current one for the launch:
+  Triton launches on the current device's current stream, so a tensor on
+  ``cuda:1`` while ``cuda:0`` is current would otherwise be read through the
+  wrong context.
+* **Row views.** :func:`as_rows` turns ``(..., N)`` into a ``(rows, N)``
+  view plus its row stride, copying only when the last dimension is not
+  contiguous or the leading dimensions cannot be merged into one stride (a
+  transposed view, for example). The copy is the documented price of such
+  inputs; the kernels never read a strided last dimension.
+* **Choosing launch settings.** :func:`tuned` times a short list of candidate
+  settings once per (kernel, device, shape class) on the GPU with
+  ``triton.testing.do_bench`` and keeps the fastest. The first candidate is
+  the heuristic default, used under the interpreter, during CUDA-graph
+  capture, and when ``MFUWATCH_KERNELS_AUTOTUNE=0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
+
+import torch
+
+#: True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``),
+#: read once, as Triton itself does when it decorates the kernels.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+#: Measure launch settings on first use (set ``MFUWATCH_KERNELS_AUTOTUNE=0`` to
+#: keep the heuristic defaults, e.g. for bit-for-bit reproducible runs).
+AUTOTUNE = os.environ.get("MFUWATCH_KERNELS_AUTOTUNE", "1").lower() not in ("0", "false", "off", "no")
+
+_TUNED: Dict[Hashable, Any] = {}
+_TUNE_LOCK = threading.Lock()
+_SM_COUNT: Dict[int, int] = {}
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to the Triton kernel (True) or to the PyTorch fallback."""
+    return t.is_cuda or (INTERPRET and t.device.type == "cpu")
+
+
+def device_guard(t: torch.Tensor):
+    """A context that makes ``t``'s CUDA device current (a no-op when it already is)."""
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
+    """View ``t`` of shape ``(..., n)``-compatible as ``(rows, n)``; return it and its row stride.
+
+    The result's last dimension always has stride 1. The leading dimensions
+    are merged without a copy when their strides allow it (any contiguous
+    tensor, a slice ``x[..., :n]`` of a wider one, a broadcast along rows);
+    otherwise the data is copied once with ``.contiguous()``.
+
+    Raises:
+        ValueError: ``t.numel()`` is not a multiple of ``n``.
+    """
+    if n <= 0 or t.numel() % n != 0:
+        raise ValueError(f"cannot view a tensor of shape {tuple(t.shape)} as rows of {n} elements")
+    if t.dim() >= 1 and t.shape[-1] == n and (t.stride(-1) == 1 or n == 1):
+        try:
+            v = t.view(-1, n)
+        except RuntimeError:  # leading dims not mergeable into one stride
+            v = t.reshape(-1, n).contiguous()
+    else:
+        v = t.reshape(-1, n)
+        if v.stride(-1) != 1 and n > 1:
+            v = v.contiguous()
+    if v.shape[0] <= 1:
+        return v, n  # a single row: any stride is as good as n
+    return v, v.stride(0)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 for the CPU/interpreter."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SM_COUNT.get(idx)
+    if n is None:
+        n = torch.cuda.get_device_properties(idx).multi_processor_count
+        _SM_COUNT[idx] = n
+    return n
+
+
+def row_bucket(rows: int) -> int:
+    """Shape class of a row count for the tuning cache: the next power of two, capped at 2**17."""
+    return 1 << min(17, max(0, rows - 1).bit_length())
+
+
+#: Below this many elements a launch is dominated by its fixed cost: no timing, the default setting.
+MIN_TUNE_ELEMENTS = 1 << 20
+
+
+def tuned(kernel: str, device: torch.device, key: Hashable, candidates: Callable[[], Sequence[Any]],
+          launch: Callable[[Any], Any], elements: int) -> Any:
+    """Pick the fastest launch setting among ``candidates()`` for this kernel, device and key.
+
+    ``candidates()`` lists the settings, the heuristic default first (called
+    only on a cache miss). ``launch(candidate)`` must run the kernel with that
+    setting and be idempotent (write the same outputs every time). Timing
+    happens once per cache key on CUDA devices (``triton.testing.do_bench``
+    median, a few tens of milliseconds per candidate); a candidate that fails
+    to compile is skipped. Returns the first candidate without timing under the
+    interpreter, on the CPU, during CUDA-graph capture, for launches of fewer
+    than :data:`MIN_TUNE_ELEMENTS` elements (e.g. ``patch``'s probe), or when
+    autotuning is off.
+    """
+    full_key = (kernel, device.index, key)
+    best = _TUNED.get(full_key)
+    if best is not None:
+        return best
+    cands = candidates()
+    if len(cands) == 1 or not AUTOTUNE or device.type != "cuda" or elements < MIN_TUNE_ELEMENTS:
+        return cands[0]
+    if torch.cuda.is_current_stream_capturing():
+        return cands[0]
+    candidates = cands
+    from triton.testing import do_bench
+
+    with _TUNE_LOCK:
+        best = _TUNED.get(full_key)
+        if best is not None:
+            return best
+        timings = []
+        for cand in candidates:
+            try:
+                ms = do_bench(lambda: launch(cand), warmup=3, rep=15, return_mode="median")
+            except Exception:  # e.g. out of registers/shared memory for this setting
+                ms = float("inf")
+            timings.append(ms)
+        best = candidates[min(range(len(candidates)), key=timings.__getitem__)]
+        _TUNED[full_key] = best
+    return best
+
+
+def tuned_settings() -> Dict[Hashable, Any]:
+    """A copy of the launch settings chosen so far, keyed by (kernel, device index, shape key)."""
+    return dict(_TUNED)
+
+
+def use_custom_op(*tensors) -> bool:
+    """Whether a call must go through the registered ``torch.ops.mfuwatch`` op.
+
+    True while ``torch.compile`` traces, while a ``TorchDispatchMode`` such as
+    ``FlopCounterMode`` or ``FakeTensorMode`` is active, or when an input is a
+    tensor subclass (DTensor, FakeTensor, ...); those need the dispatcher to
+    see the op. Otherwise the eager fast path (a plain ``autograd.Function``,
+    about 10-30 microseconds less Python per call) is taken: same launchers,
+    same results.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return True
+    return False
+
+
+#: RMSNorm casting modes (see :mod:`.rmsnorm`).
+CASTINGS = ("auto", "llama", "fp32")
+
+
+def resolve_casting(casting: str, offset: float) -> bool:
+    """True for Llama casting. Raises ValueError for a mode not in :data:`CASTINGS`."""
+    if casting == "auto":
+        return offset == 0.0
+    if casting not in CASTINGS:
+        raise ValueError(f"casting={casting!r}: expected one of {CASTINGS}")
+    return casting == "llama"
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

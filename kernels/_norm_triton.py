@@ -1,0 +1,275 @@
+"""Triton kernels for the row norms: RMSNorm, LayerNorm and the residual-add + RMSNorm.
+
+One family of kernels serves the three ops; ``constexpr`` flags switch the
+parts on and off (``IS_RMS``, ``HAS_W``, ``HAS_B``, ``HAS_RES``, ``HAS_DRES``,
+``LLAMA_CAST``). All arithmetic is in fp32, whatever the storage dtype.
+
+Math (per row of ``N`` elements; ``s = x`` or ``s = x + residual`` rounded to
+the residual stream's dtype, as the unfused code stores it)::
+
+    mu   = mean(s)                     (0 for RMSNorm)
+    rstd = 1 / sqrt(mean((s - mu)^2) + eps)
+    xhat = (s - mu) * rstd
+    y    = xhat' * (w + offset) + b     xhat' = xhat rounded to s's dtype under
+                                        Llama casting, else xhat in fp32
+Backward, with ``g = dy * (w + offset)`` (``dy`` without a weight)::
+
+    ds = rstd * (g - mean(g) - xhat * mean(g * xhat))    (LayerNorm)
+    ds = rstd * (g - xhat * mean(g * xhat))              (RMSNorm)
+    ds += d(new residual)                                (add variant)
+    dw = sum over rows of dy * xhat',   db = sum over rows of dy
+
+Bytes each launch moves (the minimum any implementation must move, per
+element of the ``rows x N`` input, ``e`` bytes per element): forward reads
+``s`` (and the residual) and writes ``y`` (and the new residual), ``2e``
+(``4e``); backward reads ``s`` and ``dy`` and writes ``ds``, ``3e`` (plus
+``e`` for the residual's gradient). Weights, bias, ``mean``/``rstd`` and the
+fp32 partial sums of ``dw``/``db`` are O(N + rows), negligible at LLM shapes.
+
+Layout of the work:
+
+* *fused* kernels keep a whole row in registers (``BLOCK_N`` = next power of
+  two >= N, masked); the forward takes ``ROWS`` rows per program (small N),
+  the backward loops over a contiguous chunk of rows per program and keeps
+  fp32 partial sums of ``dw``/``db`` in registers, written once per program
+  as a row of a ``(programs, N)`` buffer that :func:`_norm_sum_partials` reduces;
+* *looped* kernels handle rows wider than the register budget
+  (``_norm_launch.FWD_MAX_FUSED``/``BWD_MAX_FUSED``) by walking the row in ``LOOP_BLOCK``
+  chunks: two or three passes, the extra passes served mostly from L2.
+
+Row offsets are computed in int64 (``program_id(0).to(tl.int64)``), so
+tensors past 2**31 elements are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_s(X, R, x_off, r_off, mask, HAS_RES: tl.constexpr, S_TY: tl.constexpr):
+    """fp32 value of s = x (+ r rounded to the residual stream dtype ``S_TY``)."""
+    x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + r_off, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(S_TY).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _norm_fwd_fused(
+    X, R, W, B, Y, S, MEAN, RSTD,  # X, R: (rows, N) inputs; W, B: (N,); Y, S: (rows, N) outputs; MEAN, RSTD: (rows,) fp32
+    stride_x, stride_r, stride_y, stride_s,  # row strides (elements); the column stride is 1
+    n_rows, N, eps, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,) int64
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    x = _load_s(X, R, rows[:, None] * stride_x + cols[None, :], rows[:, None] * stride_r + cols[None, :],
+                mask, HAS_RES, S.dtype.element_ty)  # (ROWS, BLOCK_N) fp32
+    if HAS_RES:
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], x.to(S.dtype.element_ty), mask=mask)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        tl.store(MEAN + rows, mean, mask=rmask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        if LLAMA_CAST:  # round xhat to the input's dtype before scaling (Hugging Face Llama)
+            if HAS_RES:
+                y = y.to(S.dtype.element_ty).to(tl.float32)
+            else:
+                y = y.to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_looped(
+    X, R, W, B, Y, S, MEAN, RSTD,  # as in _norm_fwd_fused
+    stride_x, stride_r, stride_y, stride_s,
+    n_rows, N, eps, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # one row per program
+    cols0 = tl.arange(0, BLOCK_N)
+    # pass 1: the residual sum (stored) and sum(s) or sum(s^2)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for off in range(0, N, BLOCK_N):
+        cols = off + cols0
+        m = cols < N
+        x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty)
+        if HAS_RES:
+            tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=m)
+        if IS_RMS:
+            acc += x * x
+        else:
+            acc += x
+    if IS_RMS:
+        mean = 0.0
+        var = tl.sum(acc, axis=0) / N
+    else:
+        mean = tl.sum(acc, axis=0) / N
+        tl.store(MEAN + row, mean)
+        acc2 = tl.zeros([BLOCK_N], tl.float32)
+        for off in range(0, N, BLOCK_N):  # pass 2 (LayerNorm): centred variance
+            cols = off + cols0
+            m = cols < N
+            x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty)
+            xc = tl.where(m, x - mean, 0.0)
+            acc2 += xc * xc
+        var = tl.sum(acc2, axis=0) / N
+    rstd = tl.rsqrt(var + eps)
+    tl.store(RSTD + row, rstd)
+    for off in range(0, N, BLOCK_N):  # last pass: normalise, scale, shift
+        cols = off + cols0
+        m = cols < N
+        x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty)
+        y = (x - mean) * rstd
+        if HAS_W:
+            if LLAMA_CAST:
+                if HAS_RES:
+                    y = y.to(S.dtype.element_ty).to(tl.float32)
+                else:
+                    y = y.to(X.dtype.element_ty).to(tl.float32)
+            y = y * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _norm_bwd_fused(
+    DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # DY, XS, DRES, DX: (rows, N); W: (N,); DW/DB_PART: (programs, N) fp32
+    stride_dy, stride_xs, stride_dres, stride_dx,
+    n_rows, N, rows_per_prog, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_N], tl.float32)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    for i in range(0, row_end - row_start):
+        row = row_start + i  # int64 (a bare loop variable may be 32-bit in the interpreter)
+        x = tl.load(XS + row * stride_xs + cols, mask=cmask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(cmask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+        if HAS_W:
+            g = dy * w
+            if LLAMA_CAST:
+                dw_acc += dy * xhat.to(XS.dtype.element_ty).to(tl.float32)
+            else:
+                dw_acc += dy * xhat
+        else:
+            g = dy
+        if HAS_B:
+            db_acc += dy
+        c1 = tl.sum(g * xhat, axis=0) / N
+        if IS_RMS:
+            dx = (g - xhat * c1) * rstd
+        else:
+            dx = (g - tl.sum(g, axis=0) / N - xhat * c1) * rstd
+        if HAS_DRES:
+            dx += tl.load(DRES + row * stride_dres + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=cmask)
+    if HAS_W:
+        tl.store(DW_PART + pid * N + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(DB_PART + pid * N + cols, db_acc, mask=cmask)
+
+
+@triton.jit
+def _norm_bwd_looped(
+    DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # as in _norm_bwd_fused; DW/DB_PART zero-filled
+    stride_dy, stride_xs, stride_dres, stride_dx,
+    n_rows, N, rows_per_prog, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_N)
+    row_start = pid * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, n_rows)
+    for i in range(0, row_end - row_start):
+        row = row_start + i  # int64 (a bare loop variable may be 32-bit in the interpreter)
+        rstd = tl.load(RSTD + row)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(MEAN + row)
+        acc1 = tl.zeros([BLOCK_N], tl.float32)
+        acc2 = tl.zeros([BLOCK_N], tl.float32)
+        for off in range(0, N, BLOCK_N):  # pass 1: the two row reductions
+            cols = off + cols0
+            m = cols < N
+            x = tl.load(XS + row * stride_xs + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+            xhat = tl.where(m, (x - mean) * rstd, 0.0)
+            if HAS_W:
+                dy = dy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+            acc1 += dy * xhat
+            acc2 += dy
+        c1 = tl.sum(acc1, axis=0) / N
+        c2 = tl.sum(acc2, axis=0) / N
+        for off in range(0, N, BLOCK_N):  # pass 2: dx, and dw/db into this program's partial row
+            cols = off + cols0
+            m = cols < N
+            x = tl.load(XS + row * stride_xs + cols, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+            xhat = tl.where(m, (x - mean) * rstd, 0.0)
+            if HAS_W:
+                g = dy * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+                xw = xhat
+                if LLAMA_CAST:
+                    xw = xhat.to(XS.dtype.element_ty).to(tl.float32)
+                p = tl.load(DW_PART + pid * N + cols, mask=m, other=0.0)
+                tl.store(DW_PART + pid * N + cols, p + dy * xw, mask=m)
+            else:
+                g = dy
+            if HAS_B:
+                q = tl.load(DB_PART + pid * N + cols, mask=m, other=0.0)
+                tl.store(DB_PART + pid * N + cols, q + dy, mask=m)
+            if IS_RMS:
+                dx = (g - xhat * c1) * rstd
+            else:
+                dx = (g - c2 - xhat * c1) * rstd
+            if HAS_DRES:
+                dx += tl.load(DRES + row * stride_dres + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
+        tl.debug_barrier()  # the next row re-reads the partial rows this one wrote
+
+
+@triton.jit
+def _norm_sum_partials(PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """OUT[c] = sum_p PART[p, c] in fp32, stored in OUT's dtype. PART: (P, N) fp32, OUT: (N,)."""
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
+        acc += tl.load(PART + rows[:, None] * N + cols[None, :],
+                       mask=(rows < P)[:, None] & cmask[None, :], other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)

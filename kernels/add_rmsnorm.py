@@ -1,0 +1,151 @@
+"""Fused residual add + RMSNorm: ``add_rms_norm(x, residual, weight) -> (normed, new_residual)``.
+
+The pre-norm transformer block computes ``h = residual + x`` and then
+``rms_norm(h)``; unfused that is three trips through memory for ``h``
+(write the sum, read it for the statistics, read it again to scale). The
+fused kernel reads ``x`` and ``residual`` once and writes ``h`` and the normed
+output once::
+
+    new_residual = (x + residual) rounded to promote(x.dtype, residual.dtype)
+    normed       = rms_norm(new_residual, weight, eps, offset)
+
+The norm is taken of the *rounded* sum, exactly what the unfused code
+normalises. Backward: ``d(sum) = rms_norm_backward(d normed) + d(new_residual)``,
+which is the gradient of both ``x`` and ``residual``. Casting modes as in
+:mod:`.rmsnorm`. No module pattern replaces this op (the residual add lives
+in a decoder layer's ``forward``): call it from model code, or use
+``RMSNorm.forward(x, residual)``.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _flops
+from . import _norm_launch as K
+from ._common import resolve_casting, use_custom_op
+
+
+@torch.library.custom_op("mfuwatch::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float,
+                     llama_cast: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    y, s, _, rstd = K.norm_fwd(x, weight, None, residual, x.shape[-1], eps, offset, True, llama_cast)
+    return y, s, rstd.view(x.shape[:-1])
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, llama_cast):
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    s_dt = torch.promote_types(x.dtype, residual.dtype)
+    y_dt = torch.promote_types(s_dt, weight.dtype) if (llama_cast and weight is not None) else s_dt
+    return (x.new_empty(x.shape, dtype=y_dt), x.new_empty(x.shape, dtype=s_dt),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("mfuwatch::add_rms_norm_backward", mutates_args=())
+def _add_rms_norm_bwd_op(dy: Tensor, dres: Optional[Tensor], s: Tensor, weight: Optional[Tensor],
+                         rstd: Tensor, offset: float, llama_cast: bool) -> Tuple[Tensor, Tensor]:
+    ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd.reshape(-1), dres, s.shape[-1], offset,
+                           True, llama_cast)
+    return ds, (dw if dw is not None else s.new_empty(0))
+
+
+@_add_rms_norm_bwd_op.register_fake
+def _(dy, dres, s, weight, rstd, offset, llama_cast):
+    dw = weight.new_empty(weight.shape) if weight is not None else s.new_empty(0)
+    return s.new_empty(s.shape), dw
+
+
+def _grads(ds: Tensor, x_dtype: torch.dtype, r_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The sum's gradient as the gradients of ``x`` and ``residual`` (one tensor when dtypes agree)."""
+    dx = ds if ds.dtype == x_dtype else ds.to(x_dtype)
+    dr = ds if ds.dtype == r_dtype else ds.to(r_dtype)
+    return dx, dr
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, _eps, offset, llama_cast = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)  # an unused new_residual then costs no zero-filled gradient
+    ctx.offset, ctx.llama_cast = offset, llama_cast
+    ctx.dtypes = (x.dtype, residual.dtype)
+
+
+def _backward(ctx, dy, dres, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    if dy is None:  # only the new residual was used
+        if dres is None:
+            return None, None, None, None, None, None
+        dx, dr = _grads(dres, *ctx.dtypes)
+        return dx, dr, None, None, None, None
+    ds, dw = torch.ops.mfuwatch.add_rms_norm_backward(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast)
+    dx, dr = _grads(ds, *ctx.dtypes)
+    return dx, dr, (dw if weight is not None else None), None, None, None
+
+
+_add_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _fwd_flops(x_shape, r_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    per = (_flops.RMS_FWD if w_shape is not None else _flops.RMS_FWD_NO_W) + _flops.ADD_FWD_EXTRA
+    return _flops.numel(x_shape) * per
+
+
+def _bwd_flops(dy_shape, dres_shape, s_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    per = _flops.RMS_BWD if w_shape is not None else _flops.RMS_BWD_NO_W
+    if dres_shape is not None:
+        per += _flops.ADD_BWD_DRES_EXTRA
+    return _flops.numel(s_shape) * per
+
+
+_flops.register(torch.ops.mfuwatch.add_rms_norm, _fwd_flops)
+_flops.register(torch.ops.mfuwatch.add_rms_norm_backward, _bwd_flops)
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """``autograd.Function``: ``apply(x, residual, weight, eps, offset, llama_cast) -> (normed, new_residual)``."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, llama_cast):
+        y, s, _, rstd = K.norm_fwd(x, weight, None, residual, x.shape[-1], eps, offset, True, llama_cast)
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.set_materialize_grads(False)
+        ctx.offset, ctx.llama_cast = offset, llama_cast
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, dres):
+        s, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            if dres is None:
+                return None, None, None, None, None, None
+            return (*_grads(dres, *ctx.dtypes), None, None, None, None)
+        ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, s.shape[-1], ctx.offset, True,
+                               ctx.llama_cast)
+        return (*_grads(ds, *ctx.dtypes), dw, None, None, None)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
+                 offset: float = 0.0, *, casting: str = "auto") -> Tuple[Tensor, Tensor]:
+    """Fused ``h = x + residual; return rms_norm(h, weight, eps, offset), h``.
+
+    Args:
+        x, residual: (..., N), same shape, fp32/fp16/bf16 (may differ; the sum
+            takes the promoted dtype), any strides.
+        weight: (N,) or None. eps, offset, casting: as :func:`~mfuwatch.kernels.rms_norm`.
+    Returns:
+        ``(normed, new_residual)``, both shaped like ``x`` and contiguous.
+    Raises:
+        ValueError: shapes differ (both printed), weight size != N, unknown casting.
+    """
+    llama = resolve_casting(casting, offset)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    if use_custom_op(x, residual, weight):
+        y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, float(eps), float(offset), llama)
+        return y, s
+    return AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), llama)

@@ -1,0 +1,178 @@
+"""Fused LayerNorm: functional ``layer_norm``, ``LayerNormFunction``, the ``LayerNorm`` module, and the
+``torch.ops.mfuwatch.layer_norm`` / ``layer_norm_backward`` custom ops.
+
+LayerNorm (Ba, Kiros & Hinton 2016) over the trailing ``normalized_shape``::
+
+    y = (x - mean(x)) / sqrt(var(x) + eps) * w + b      (biased variance, as torch)
+
+Statistics in fp32 (mean first, then the centred variance, so large offsets
+do not cancel), output in ``x``'s dtype, as ``torch.nn.functional.layer_norm``.
+Under ``torch.autocast`` torch upcasts LayerNorm inputs to fp32; the fused op
+does not (it would cost a copy): it computes in fp32 and returns ``x``'s dtype.
+"""
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import _flops
+from . import _norm_launch as K
+from ._common import use_custom_op
+
+
+def _numel(x: Tensor, n_dims: int) -> int:
+    n = 1
+    for d in x.shape[x.dim() - n_dims:]:
+        n *= d
+    return n
+
+
+@torch.library.custom_op("mfuwatch::layer_norm", mutates_args=())
+def _layer_norm_op(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], n_dims: int,
+                   eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    y, _, mean, rstd = K.norm_fwd(x, weight, bias, None, _numel(x, n_dims), eps, 0.0, False, False)
+    stat_shape = x.shape[: x.dim() - n_dims]
+    return y, mean.view(stat_shape), rstd.view(stat_shape)
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, n_dims, eps):
+    stat_shape = x.shape[: x.dim() - n_dims]
+    return (x.new_empty(x.shape), x.new_empty(stat_shape, dtype=torch.float32),
+            x.new_empty(stat_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("mfuwatch::layer_norm_backward", mutates_args=())
+def _layer_norm_bwd_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], has_bias: bool, mean: Tensor,
+                       rstd: Tensor, n_dims: int) -> Tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = K.norm_bwd(dy, x, weight, has_bias, mean.reshape(-1), rstd.reshape(-1), None,
+                            _numel(x, n_dims), 0.0, False, False)
+    empty = x.new_empty(0)
+    db = db.view(x.shape[x.dim() - n_dims:]) if db is not None else empty.clone()
+    return dx, (dw if dw is not None else empty), db
+
+
+@_layer_norm_bwd_op.register_fake
+def _(dy, x, weight, has_bias, mean, rstd, n_dims):
+    p = weight if weight is not None else x
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
+    db = p.new_empty(x.shape[x.dim() - n_dims:]) if has_bias else x.new_empty(0)
+    return x.new_empty(x.shape), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, n_dims, _eps = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.n_dims, ctx.has_bias = n_dims, bias is not None
+    ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.mfuwatch.layer_norm_backward(dy, x, weight, ctx.has_bias, mean, rstd, ctx.n_dims)
+    return (dx, dw if weight is not None else None, db.view(ctx.bias_shape) if ctx.has_bias else None,
+            None, None)
+
+
+_layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _fwd_flops(x_shape, w_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return _flops.numel(x_shape) * _flops.LN_FWD[(w_shape is not None, b_shape is not None)]
+
+
+def _bwd_flops(dy_shape, x_shape, w_shape, has_bias, *args, out_shape=None, **kwargs) -> int:
+    return _flops.numel(x_shape) * _flops.LN_BWD[(w_shape is not None, bool(has_bias))]
+
+
+_flops.register(torch.ops.mfuwatch.layer_norm, _fwd_flops)
+_flops.register(torch.ops.mfuwatch.layer_norm_backward, _bwd_flops)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """``autograd.Function``: ``apply(x, weight, bias, n_dims, eps) -> y``, normalising the last ``n_dims`` dims."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n_dims, eps):
+        y, _, mean, rstd = K.norm_fwd(x, weight, bias, None, _numel(x, n_dims), eps, 0.0, False, False)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n_dims, ctx.has_bias = n_dims, bias is not None
+        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = K.norm_bwd(dy, x, weight, ctx.has_bias, mean, rstd, None, _numel(x, ctx.n_dims), 0.0,
+                                False, False)
+        return (dx, dw, db.view(ctx.bias_shape) if db is not None else None, None, None)
+
+
+def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: Optional[Tensor] = None,
+               bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+    """Fused LayerNorm, arguments in ``torch.nn.functional.layer_norm``'s order.
+
+    Args:
+        x: (..., *normalized_shape), fp32/fp16/bf16, any strides.
+        normalized_shape: the trailing dims to normalise over (int or sequence).
+        weight, bias: shaped ``normalized_shape``, or None.
+        eps: added to the variance.
+    Returns:
+        Tensor shaped like ``x``, contiguous, in ``x``'s dtype.
+    Raises:
+        ValueError: ``x`` does not end with ``normalized_shape``, or a
+        weight/bias of the wrong size (the sizes are printed).
+    """
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    n_dims = len(normalized_shape)
+    if n_dims == 0 or tuple(x.shape[x.dim() - n_dims:]) != tuple(normalized_shape) or x.dim() < n_dims:
+        raise ValueError(f"input shape {tuple(x.shape)} does not end with normalized_shape "
+                         f"{tuple(normalized_shape)}")
+    if use_custom_op(x, weight, bias):
+        return torch.ops.mfuwatch.layer_norm(x, weight, bias, n_dims, float(eps))[0]
+    return LayerNormFunction.apply(x, weight, bias, n_dims, float(eps))
+
+
+class LayerNorm(nn.Module):
+    """Drop-in ``torch.nn.LayerNorm`` on the fused kernels.
+
+    Same constructor (``normalized_shape, eps=1e-5, elementwise_affine=True,
+    bias=True, device=None, dtype=None``), parameters (``weight`` ones,
+    ``bias`` zeros, shaped ``normalized_shape``) and ``state_dict``.
+    """
+
+    def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
+                 elementwise_affine: bool = True, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias to zeros (as ``torch.nn.LayerNorm``)."""
+        with torch.no_grad():
+            if self.weight is not None:
+                self.weight.fill_(1.0)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

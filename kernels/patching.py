@@ -1,0 +1,310 @@
+"""``patch(model, kernels=...)``: swap recognised modules of one model instance for fused drop-ins.
+
+Only the given model object changes (its child modules are replaced in their
+parents); no class or function is monkey-patched globally. What is recognised:
+
+=====================  =====================================================  ==========
+kernel                 modules                                                replacement
+=====================  =====================================================  ==========
+``layer_norm``         ``torch.nn.LayerNorm`` (and subclasses)                 LayerNorm
+``rms_norm``           ``torch.nn.RMSNorm``; ``*RMSNorm`` classes with a       RMSNorm
+                       ``weight`` and ``variance_epsilon`` or ``eps``
+                       (Hugging Face Llama, Mistral, Qwen, Gemma, ...)
+``swiglu``             modules with ``gate_proj``/``up_proj``/``down_proj``    SwiGLUMLP
+                       ``nn.Linear`` children and a SiLU ``act_fn``
+``geglu``              the same with a GELU ``act_fn`` (exact or tanh)          GeGLUMLP
+``add_rms_norm``       none: the residual add lives in a decoder layer's       --
+                       ``forward``; call the functional from model code
+=====================  =====================================================  ==========
+
+The replacement *shares* the original's parameters (the same ``Parameter``
+objects, so an optimizer built before patching keeps working) and keeps its
+device, dtype and training mode; ``state_dict`` keys do not change. With
+``verify=True`` (default) each replacement is first run next to the original
+on a small random input (a private generator; the global RNG is untouched) and
+only swapped when the outputs agree within the dtype's tolerance; for
+``*RMSNorm`` classes this check also decides between ``w`` and Gemma's
+``1 + w``. Modules that look like candidates but are not swapped are listed in
+the report with the reason. :func:`unpatch` puts the originals back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._common import INTERPRET
+from .glu import GeGLUMLP, SwiGLUMLP
+from .layernorm import LayerNorm
+from .rmsnorm import RMSNorm
+
+KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+_ORIGINAL = "_mfuwatch_original"
+_OURS = (RMSNorm, LayerNorm, SwiGLUMLP, GeGLUMLP)
+_ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
+_GELU_TANH_NAMES = ("PytorchGELUTanh", "GELUTanh", "NewGELUActivation", "GELUPytorchTanh", "GeluTanh")
+#: probe tolerance on max|a - b| / (1 + max|a|), per dtype
+_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@dataclass
+class Swapped:
+    """One module replaced: its dotted name, the two class names and the kernel used."""
+
+    name: str
+    original: str
+    replacement: str
+    kernel: str
+
+
+@dataclass
+class Left:
+    """One candidate module left in place, and why."""
+
+    name: str
+    module: str
+    kernel: str
+    reason: str
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did. ``str(report)`` is a readable table."""
+
+    swapped: List[Swapped] = field(default_factory=list)
+    left: List[Left] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    def count(self, kernel: Optional[str] = None) -> int:
+        """Number of swapped modules (for one kernel, or all)."""
+        return sum(1 for s in self.swapped if kernel is None or s.kernel == kernel)
+
+    def __str__(self) -> str:
+        lines = [f"mfuwatch.kernels.patch: {len(self.swapped)} swapped, {len(self.left)} left"]
+        lines += [f"  swapped  {s.name}: {s.original} -> {s.replacement} ({s.kernel})" for s in self.swapped]
+        lines += [f"  left     {s.name}: {s.module} ({s.kernel}): {s.reason}" for s in self.left]
+        lines += [f"  note     {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _cls(m: nn.Module) -> str:
+    return type(m).__name__
+
+
+def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torch.dtype,
+           device: torch.device) -> Optional[str]:
+    """None when ``repl`` matches ``orig`` on a random input of ``shape``, else the reason."""
+    if device.type == "meta":
+        return None
+    gen = torch.Generator(device=device).manual_seed(1234)
+    x = (torch.randn(shape, generator=gen, device=device) * 2.0).to(dtype)
+    try:
+        with torch.no_grad():
+            a, b = orig(x), repl(x)
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not swap"
+        return f"probe run failed: {type(exc).__name__}: {exc}"
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        got = (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
+        return f"probe output {got} != fused {(tuple(b.shape), b.dtype)}"
+    a, b = a.double(), b.double()
+    err = float((a - b).abs().max()) / (1.0 + float(a.abs().max()))
+    if not err <= _TOL.get(dtype, 3e-2):
+        return f"probe output differs from the fused op (relative error {err:.2e})"
+    return None
+
+
+def _first_param(m: nn.Module) -> Optional[torch.Tensor]:
+    return next(iter(m.parameters()), None)
+
+
+def _rms_candidates(m: nn.Module) -> Tuple[Optional[List[Callable[[], nn.Module]]], str]:
+    """Builders of RMSNorm replacements to try in order, or (None, reason)."""
+    if hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm):
+        def build():
+            new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta", casting="fp32")
+            if m.weight is not None:
+                new.weight = m.weight
+            return new
+        return [build], ""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        return None, "no 1-D `weight` parameter"
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(eps, (int, float)):
+        return None, "no float `variance_epsilon`/`eps` attribute"
+    if len(list(m.parameters(recurse=False))) != 1 or len(list(m.buffers(recurse=False))) != 0:
+        return None, "has parameters or buffers besides `weight`"
+    variants = [(0.0, "llama"), (1.0, "fp32")]
+    if "gemma" in _cls(m).lower():
+        variants.reverse()
+
+    def builder(offset, casting):
+        def build():
+            new = RMSNorm(w.shape[0], float(eps), device="meta", offset=offset, casting=casting)
+            new.weight = w
+            return new
+        return build
+    return [builder(o, c) for o, c in variants], ""
+
+
+def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], nn.Module]], str]:
+    """(kernel, builder, "") for a gated MLP, or (kernel or None, None, reason)."""
+    if not all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
+        return None, None, ""
+    act = next((getattr(m, a) for a in _ACT_ATTRS if getattr(m, a, None) is not None), None)
+    if act is None:
+        return "swiglu", None, f"no activation attribute among {_ACT_ATTRS}"
+    name = type(act).__name__
+    g, u, d = m.gate_proj, m.up_proj, m.down_proj
+    if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU", "Swish"):
+        return "swiglu", lambda: SwiGLUMLP.from_linears(g, u, d), ""
+    if isinstance(act, nn.GELU):
+        approx = getattr(act, "approximate", "none")
+        return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate=approx), ""
+    if name in _GELU_TANH_NAMES:
+        return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate="tanh"), ""
+    if name == "GELUActivation":
+        return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate="none"), ""
+    return "swiglu" if "silu" in name.lower() else "geglu", None, f"activation {name} has no fused kernel"
+
+
+def _hooked(m: nn.Module) -> Optional[str]:
+    if "forward" in m.__dict__:
+        return "its forward is wrapped on the instance (e.g. an accelerate hook)"
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+        return "it has forward/backward hooks that the replacement would not carry"
+    return None
+
+
+def _resolve_kernels(kernels: Optional[Iterable[str]]) -> Tuple[str, ...]:
+    if kernels is None:
+        return KERNEL_NAMES
+    if isinstance(kernels, str):
+        kernels = [kernels]
+    out = tuple(kernels)
+    for k in out:
+        if k not in KERNEL_NAMES:
+            import difflib
+
+            near = difflib.get_close_matches(k, KERNEL_NAMES, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown kernel {k!r}{hint}; accepted: {', '.join(KERNEL_NAMES)}")
+    return out
+
+
+def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: bool = True) -> PatchReport:
+    """Swap the recognised modules of ``model`` (in place) for their fused drop-ins.
+
+    Args:
+        model: any ``nn.Module``; only this instance's submodules change.
+        kernels: names from :data:`KERNEL_NAMES` (``mfuwatch.kernels.AVAILABLE_KERNELS``),
+            or None for all of them.
+        verify: compare each replacement with the original on a probe input
+            before swapping (see the module docstring).
+    Returns:
+        A :class:`PatchReport`: what was swapped, what was left and why.
+    Raises:
+        ValueError: an unknown kernel name (the accepted names are listed).
+    """
+    wanted = _resolve_kernels(kernels)
+    report = PatchReport()
+    if "add_rms_norm" in wanted:
+        report.notes.append("add_rms_norm has no module pattern (the residual add is in the decoder layer's "
+                            "forward): call mfuwatch.kernels.add_rms_norm(x, residual, weight) in model code")
+    plan = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, _OURS) or any(name.startswith(p + ".") for p, _k, _b in plan if p):
+            continue
+        if isinstance(m, nn.LayerNorm):
+            kernel = "layer_norm"
+
+            def build(m=m):
+                new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, bias=m.bias is not None,
+                                device="meta")
+                if m.weight is not None:
+                    new.weight = m.weight
+                if m.bias is not None:
+                    new.bias = m.bias
+                return new
+            builders, reason = [build], ""
+        elif (hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm)) or _cls(m).lower().endswith("rmsnorm"):
+            kernel = "rms_norm"
+            builders, reason = _rms_candidates(m)
+        else:
+            kernel, b, reason = _mlp_candidate(m)
+            if kernel is None:
+                continue
+            builders = [b] if b is not None else None
+        if kernel not in wanted:
+            report.left.append(Left(name, _cls(m), kernel, f"not requested (kernels={list(wanted)})"))
+            continue
+        if builders is None:
+            report.left.append(Left(name, _cls(m), kernel, reason))
+            continue
+        plan.append((name, kernel, (m, builders)))
+
+    for name, kernel, (m, builders) in plan:
+        reason = _check_swappable(name, m)
+        new = None
+        if reason is None:
+            p = _first_param(m)
+            for build in builders:
+                cand = build()
+                cand.train(m.training)
+                if hasattr(cand, "gate_proj"):
+                    shape = (4, cand.gate_proj.in_features)
+                else:
+                    shape = (4, *cand.normalized_shape)
+                reason = _probe(m, cand, shape, p.dtype, p.device) if verify else None
+                if reason is None:
+                    new = cand
+                    break
+        if new is None:
+            report.left.append(Left(name, _cls(m), kernel, reason))
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        object.__setattr__(new, _ORIGINAL, m)
+        setattr(parent, child, new)
+        report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), kernel))
+    return report
+
+
+def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
+    if not name:
+        return "it is the model itself; use the fused module directly"
+    p = _first_param(m)
+    if p is None:
+        return "it has no parameters to infer device and dtype from"
+    if not (p.is_cuda or p.device.type == "meta" or (INTERPRET and p.device.type == "cpu")):
+        return (f"on {p.device}: the Triton kernels need a CUDA device "
+                "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
+    if not p.is_floating_point() or p.dtype == torch.float64:
+        return f"dtype {p.dtype} is not fp32/fp16/bf16"
+    return _hooked(m)
+
+
+def unpatch(model: nn.Module) -> int:
+    """Put back every module :func:`patch` replaced in ``model``; return how many.
+
+    The originals get the replacement's current parameters (the same objects,
+    so training since the patch is kept) and training mode.
+    """
+    restored = 0
+    for name, m in list(model.named_modules()):
+        orig = m.__dict__.get(_ORIGINAL)
+        if orig is None or not name:
+            continue
+        for pname, param in m.named_parameters(recurse=False):
+            setattr(orig, pname, param)
+        for cname, child in m.named_children():
+            setattr(orig, cname, child)
+        orig.train(m.training)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, orig)
+        restored += 1
+    return restored

@@ -1,0 +1,205 @@
+"""Fused RMSNorm: functional ``rms_norm``, ``RMSNormFunction``, the ``RMSNorm`` module, and the
+``torch.ops.mfuwatch.rms_norm`` / ``rms_norm_backward`` custom ops.
+
+RMSNorm (Zhang & Sennrich 2019) over the last dimension::
+
+    y = x / sqrt(mean(x^2) + eps) * (w + offset)
+
+Two casting modes, because models differ in where they round:
+
+* ``"llama"`` (Hugging Face ``LlamaRMSNorm`` and most ``*RMSNorm`` there): the
+  statistics and ``xhat`` in fp32, ``xhat`` cast back to the input dtype, then
+  multiplied by the weight; the output dtype is ``promote(x.dtype, w.dtype)``.
+* ``"fp32"`` (``torch.nn.RMSNorm`` and Gemma's ``x̂·(1+w)``): everything in fp32,
+  ``w + offset`` formed in fp32, one rounding to the input dtype at the end.
+
+``casting="auto"`` picks ``"llama"`` for ``offset == 0`` and ``"fp32"``
+otherwise (Gemma, ``offset=1.0``).
+
+Dispatch: in eager mode the functional calls :class:`RMSNormFunction`
+directly; under ``torch.compile``, inside a ``TorchDispatchMode`` (such as
+``FlopCounterMode``) or with tensor subclasses it calls the registered custom
+op, which ``torch.compile`` keeps in one graph (no graph break) and whose FLOPs
+``FlopCounterMode`` counts (:mod:`._flops`). Both paths run the same kernels
+(:mod:`._norm_triton`, launched by :mod:`._norm_launch`).
+"""
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import _flops
+from . import _norm_launch as K
+from ._common import resolve_casting, use_custom_op
+from .add_rmsnorm import add_rms_norm
+
+# ---------------------------------------------------------------- custom ops (compile / dispatch modes)
+
+@torch.library.custom_op("mfuwatch::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Optional[Tensor], eps: float, offset: float,
+                 llama_cast: bool) -> Tuple[Tensor, Tensor]:
+    y, _, _, rstd = K.norm_fwd(x, weight, None, None, x.shape[-1], eps, offset, True, llama_cast)
+    return y, rstd.view(x.shape[:-1])
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset, llama_cast):
+    dt = torch.promote_types(x.dtype, weight.dtype) if (llama_cast and weight is not None) else x.dtype
+    return x.new_empty(x.shape, dtype=dt), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("mfuwatch::rms_norm_backward", mutates_args=())
+def _rms_norm_bwd_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float,
+                     llama_cast: bool) -> Tuple[Tensor, Tensor]:
+    dx, dw, _ = K.norm_bwd(dy, x, weight, False, None, rstd.reshape(-1), None, x.shape[-1], offset,
+                           True, llama_cast)
+    return dx, (dw if dw is not None else x.new_empty(0))
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, offset, llama_cast):
+    dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
+    return x.new_empty(x.shape), dw
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _eps, offset, llama_cast = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.offset, ctx.llama_cast = offset, llama_cast
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.mfuwatch.rms_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.llama_cast)
+    return dx, (dw if weight is not None else None), None, None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _fwd_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return _flops.numel(x_shape) * (_flops.RMS_FWD if w_shape is not None else _flops.RMS_FWD_NO_W)
+
+
+def _bwd_flops(dy_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    return _flops.numel(x_shape) * (_flops.RMS_BWD if w_shape is not None else _flops.RMS_BWD_NO_W)
+
+
+_flops.register(torch.ops.mfuwatch.rms_norm, _fwd_flops)
+_flops.register(torch.ops.mfuwatch.rms_norm_backward, _bwd_flops)
+
+
+# ---------------------------------------------------------------- eager fast path
+
+class RMSNormFunction(torch.autograd.Function):
+    """``autograd.Function`` for RMSNorm: ``apply(x, weight, eps, offset, llama_cast) -> y``.
+
+    x: (..., N) fp32/fp16/bf16, any strides; weight: (N,) or None. Saves
+    ``x``, ``weight`` and the fp32 ``rstd`` (one per row) for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, llama_cast):
+        y, _, _, rstd = K.norm_fwd(x, weight, None, None, x.shape[-1], eps, offset, True, llama_cast)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset, ctx.llama_cast = offset, llama_cast
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw, _ = K.norm_bwd(dy, x, weight, False, None, rstd, None, x.shape[-1], ctx.offset, True,
+                               ctx.llama_cast)
+        return dx, dw, None, None, None
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offset: float = 0.0, *,
+             casting: str = "auto") -> Tensor:
+    """Fused RMSNorm over the last dimension.
+
+    Args:
+        x: (..., N), fp32/fp16/bf16, any shape and strides, on a CUDA device
+            (CPU tensors run the Triton interpreter when ``TRITON_INTERPRET=1``,
+            else a PyTorch fallback).
+        weight: (N,) scale, or None for no affine scale.
+        eps: added to the mean square (Llama 1e-6).
+        offset: added to the weight in fp32 (Gemma: 1.0, for ``x̂·(1+w)``).
+        casting: ``"llama"``, ``"fp32"`` or ``"auto"`` (see the module docstring).
+    Returns:
+        Tensor shaped like ``x``, contiguous; dtype ``promote(x, weight)`` under
+        Llama casting with a weight, else ``x.dtype``.
+    Raises:
+        ValueError: weight size != N, or an unknown casting mode.
+    """
+    llama = resolve_casting(casting, offset)
+    if use_custom_op(x, weight):
+        return torch.ops.mfuwatch.rms_norm(x, weight, float(eps), float(offset), llama)[0]
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), llama)
+
+
+# ---------------------------------------------------------------- module
+
+class RMSNorm(nn.Module):
+    """Drop-in RMSNorm over the trailing ``normalized_shape`` dims, on the fused kernels.
+
+    Constructor, parameters (``weight``, shape ``normalized_shape``) and
+    ``state_dict`` match ``torch.nn.RMSNorm``; ``eps=None`` means
+    ``torch.finfo(x.dtype).eps`` at call time, as there. Extra keyword-only
+    arguments: ``offset`` (Gemma: 1.0; the weight then starts at zeros) and
+    ``casting`` (``"llama"``, ``"fp32"`` or ``"auto"``; ``torch.nn.RMSNorm``
+    computes as ``"fp32"``, Hugging Face Llama as ``"llama"``, the default).
+
+    ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)``
+    returns ``(rms_norm(x + residual), x + residual)`` through the fused
+    :func:`~mfuwatch.kernels.add_rms_norm`.
+    """
+
+    def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = None,
+                 elementwise_affine: bool = True, device=None, dtype=None, *, offset: float = 0.0,
+                 casting: str = "llama") -> None:
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.offset = float(offset)
+        resolve_casting(casting, self.offset)
+        self.casting = casting
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones (zeros when ``offset`` is 1, so that the scale starts at 1)."""
+        if self.weight is not None:
+            with torch.no_grad():
+                self.weight.fill_(1.0 - self.offset)
+
+    @property
+    def variance_epsilon(self) -> Optional[float]:
+        """Alias of ``eps`` under the Hugging Face attribute name."""
+        return self.eps
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        n_dims = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - n_dims:]) != self.normalized_shape:
+            raise ValueError(f"input shape {tuple(x.shape)} does not end with {self.normalized_shape}")
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        shape = x.shape
+        if n_dims != 1:  # normalise over several trailing dims: flatten them into one
+            x = x.reshape(*shape[: x.dim() - n_dims], -1)
+            residual = residual.reshape(x.shape) if residual is not None else None
+        w = self.weight.reshape(-1) if (self.weight is not None and n_dims != 1) else self.weight
+        if residual is None:
+            return rms_norm(x, w, eps, self.offset, casting=self.casting).view(shape)
+        y, s = add_rms_norm(x, residual, w, eps, self.offset, casting=self.casting)
+        return y.view(shape), s.view(shape)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+                f"offset={self.offset}, casting={self.casting!r}")

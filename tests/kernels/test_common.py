@@ -1,0 +1,93 @@
+"""Launch plumbing: row views (copy only when needed) and the launch-setting tuner's choices."""
+
+import types
+
+import pytest
+import torch
+import triton.testing
+
+from mfuwatch.kernels import _common
+from mfuwatch.kernels._common import as_rows, pow2_at_least, row_bucket, tuned
+
+
+def test_as_rows_views_without_copy_when_strides_allow():
+    x = torch.randn(2, 3, 8)
+    v, s = as_rows(x, 8)
+    assert v.shape == (6, 8) and s == 8 and v.data_ptr() == x.data_ptr()
+    wide = torch.randn(5, 12)
+    v, s = as_rows(wide[:, 2:10], 8)  # a slice of wider rows: read in place with row stride 12
+    assert s == 12 and v.data_ptr() == wide[:, 2:].data_ptr()
+    b = torch.randn(1, 8).expand(4, 8)  # broadcast rows: row stride 0
+    v, s = as_rows(b, 8)
+    assert s == 0 and v.data_ptr() == b.data_ptr()
+
+
+def test_as_rows_copies_a_strided_last_dimension():
+    t = torch.randn(8, 3).t()  # (3, 8), last-dim stride 3
+    v, s = as_rows(t, 8)
+    assert v.is_contiguous() and s == 8 and torch.equal(v, t)
+    with pytest.raises(ValueError, match=r"shape \(3, 8\) as rows of 5"):
+        as_rows(t, 5)
+
+
+def test_small_helpers():
+    assert [pow2_at_least(n) for n in (0, 1, 2, 17, 64, 5120)] == [1, 1, 2, 32, 64, 8192]
+    assert [row_bucket(r) for r in (0, 1, 3, 4096, 4097, 10**9)] == [1, 1, 4, 4096, 8192, 1 << 17]
+
+
+class FakeBench:
+    """Stands in for triton.testing.do_bench: each candidate's 'time' is looked up."""
+
+    def __init__(self, times):
+        self.times, self.calls = times, []
+
+    def __call__(self, fn, **kwargs):
+        fn()
+        cand = self.current
+        self.calls.append(cand)
+        if self.times[cand] is None:
+            raise RuntimeError("out of resources")
+        return self.times[cand]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(_common, "_TUNED", {})
+    monkeypatch.setattr(_common, "AUTOTUNE", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return types.SimpleNamespace(type="cuda", index=0)
+
+
+def run_tuner(monkeypatch, device, times, elements=1 << 22, key="k"):
+    bench = FakeBench(times)
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+
+    def launch(c):
+        bench.current = c
+
+    return tuned("test_kernel", device, key, lambda: list(times), launch, elements), bench
+
+
+def test_tuner_picks_the_fastest_skips_failures_and_caches(monkeypatch, fake_cuda):
+    times = {"a": 3.0, "b": None, "c": 1.0, "d": 2.0}
+    best, bench = run_tuner(monkeypatch, fake_cuda, times)
+    assert best == "c" and bench.calls == ["a", "b", "c", "d"]
+    best, bench = run_tuner(monkeypatch, fake_cuda, times)  # cached: nothing timed again
+    assert best == "c" and bench.calls == []
+    best, bench = run_tuner(monkeypatch, fake_cuda, times, key="other")  # a new key is timed
+    assert best == "c" and len(bench.calls) == 4
+    assert ("test_kernel", 0, "k") in _common.tuned_settings()
+
+
+def test_tuner_uses_the_default_when_it_must_not_time(monkeypatch, fake_cuda):
+    times = {"a": 3.0, "c": 1.0}
+    best, bench = run_tuner(monkeypatch, fake_cuda, times, elements=1000)  # too small to matter
+    assert best == "a" and bench.calls == []
+    best, bench = run_tuner(monkeypatch, types.SimpleNamespace(type="cpu", index=None), times)
+    assert best == "a" and bench.calls == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # CUDA-graph capture
+    best, bench = run_tuner(monkeypatch, fake_cuda, times)
+    assert best == "a" and bench.calls == []
+    monkeypatch.setattr(_common, "AUTOTUNE", False)
+    best, bench = run_tuner(monkeypatch, fake_cuda, times)
+    assert best == "a" and bench.calls == []
