@@ -30,6 +30,7 @@ class Boundary:
     wall: float  # time.time() at the boundary (host clock)
     marker: Any  # torch.cuda.Event on CUDA; perf_counter() float on CPU
     loss: Optional[float] = None
+    gap: bool = False  # the time before this mark was not training: the next interval starts here
 
 
 @dataclass
@@ -92,6 +93,18 @@ class StepClock:
                 self._merged_tokens += old.tokens
             self._pending.append(b)
 
+    def mark_gap(self, step: int) -> None:
+        """Restart timing after optimizer step ``step``: the time since the previous boundary was not training.
+
+        For evaluation or checkpointing between steps (training thread, no sync).
+        """
+        b = Boundary(step=step, tokens=0, wall=self._wall(), marker=self._marker(), gap=True)
+        with self._lock:
+            if len(self._pending) >= self._max_pending:
+                old = self._pending.popleft()
+                self._merged_tokens += old.tokens
+            self._pending.append(b)
+
     def start(self) -> None:
         """Record a starting boundary (step 0) so the first step is timed too."""
         with self._lock:
@@ -121,6 +134,14 @@ class StepClock:
                 extra, self._merged_tokens = self._merged_tokens, 0
             prev = self._last
             self._last = b
+            if b.gap:
+                done = prev.step if prev is not None else 0
+                if b.step > done:  # steps whose own boundaries were merged away: counted, untimed
+                    out.append(Interval(done + 1, b.step, b.step - done, float("nan"), b.tokens + extra, b.wall))
+                elif extra:
+                    with self._lock:
+                        self._merged_tokens += extra  # belongs to the next interval
+                continue
             if prev is None:
                 if b.step > 0:  # first boundary without a start mark: its step is not timed
                     out.append(Interval(b.step, b.step, 1, float("nan"), b.tokens + extra, b.wall, b.loss))

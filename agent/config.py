@@ -13,7 +13,6 @@ import dataclasses
 import difflib
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -64,6 +63,7 @@ class AgentConfig:
     bind: str = "127.0.0.1"  # loopback by default: metrics of a training job are not for the whole network
     tls_certfile: Optional[str] = None
     tls_keyfile: Optional[str] = None
+    file_sd_dir: Optional[str] = None  # write this rank's Prometheus file-SD target file here (multi-node scraping)
     report_every_steps: int = 10  # one measurement per 10 optimizer steps: smooth, and ~0 overhead
     timeline: Optional[str] = None  # JSONL path; "" / None = no timeline
     flops_per_step: Optional[float] = None  # model FLOPs per optimizer step, when the user knows it
@@ -139,7 +139,9 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     # run label
     _check_type("run", cfg.run, (str,), "a string")
     if not cfg.run:
-        cfg.run = os.environ.get("MFUWATCH_RUN") or f"{socket.gethostname()}-{os.getpid()}"
+        from .integrations.distributed import default_run_name
+
+        cfg.run = default_run_name()  # $MFUWATCH_RUN, else one name shared by all ranks of a torchrun/Slurm job
     _check_type("exporter", cfg.exporter, (bool,), "true or false")
     _check_type("port", cfg.port, (int,), "an integer port 0..65535 (0 = any free port)")
     if not 0 <= cfg.port <= 65535:
@@ -154,6 +156,9 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     _check_type("report_every_steps", cfg.report_every_steps, (int,), "a positive integer")
     if cfg.report_every_steps < 1:
         raise ConfigError(f"report_every_steps: expected a positive integer, got {cfg.report_every_steps}")
+    if cfg.file_sd_dir is not None:
+        _check_type("file_sd_dir", cfg.file_sd_dir, (str, Path), "a directory path or null")
+        cfg.file_sd_dir = str(cfg.file_sd_dir) or None
     if cfg.timeline is not None:
         _check_type("timeline", cfg.timeline, (str, Path), "a file path or null")
         cfg.timeline = str(cfg.timeline) or None

@@ -137,6 +137,11 @@ class Agent:
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
+        self._sd_target = None
+        if cfg.file_sd_dir and self.exporter_url:
+            from .integrations.distributed import register_agent
+
+            self._sd_target = register_agent(self, cfg.file_sd_dir)  # counts its own failures
         self.timeline = Timeline(cfg.timeline)
         self.clock = StepClock(self.device)
 
@@ -400,6 +405,20 @@ class Agent:
             return
         self._boundary(tokens, loss)
 
+    def mark_gap(self) -> None:
+        """Leave the time since the last optimizer step out of step timing (evaluation, checkpointing).
+
+        Call between optimizer steps on the training thread; the next step is timed
+        from here. Records one marker (a CUDA event on GPUs): no device sync.
+        Framework callbacks call it after evaluation and checkpoint saves.
+        """
+        if self._closed or (self._step == 0 and not self._clock_started):
+            return  # nothing is being timed yet
+        try:
+            self.clock.mark_gap(self._step)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("hooks", exc)
+
     def record_loss(self, loss: Any) -> None:
         """Attach a loss (float or tensor) to the current step; read later without a sync on this thread."""
         try:
@@ -567,6 +586,8 @@ class Agent:
                     obj.close()
         with self.errors.guard("close"):
             self.exporter.close()
+        if self._sd_target is not None:
+            self._sd_target.remove()
         self.timeline.close()
         _live_agents.discard(self)
 

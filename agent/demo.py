@@ -180,7 +180,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--port", type=int, default=None, help="exporter base port (0 = any free port; default 9478)")
     p.add_argument("--config", default=None, help="agent YAML config (alerts: etc.)")
-    p.add_argument("--run", default=None, help="run label (default: demo-<host>-<pid>)")
+    p.add_argument("--run-name", "--run", dest="run", default=None,
+                   help="run label (default: $MFUWATCH_RUN, else demo-<name shared by the job's ranks>); "
+                        "under torchrun spell it --run-name (torchrun claims --run)")
     p.add_argument("--timeline", default="mfuwatch-demo/timeline.jsonl", help="JSONL timeline path ('' = none)")
     p.add_argument("--report", default="mfuwatch-demo/report.html", help="HTML report written at the end ('' = none)")
     p.add_argument("--summary-json", default=None, help="write the run summary as JSON here")
@@ -199,6 +201,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from rich.table import Table
 
     from .core import Agent
+    from .integrations.distributed import default_run_name
 
     a = _parse(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -241,7 +244,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "timeline": a.timeline or None,
         "profile_every": a.profile_every,
         "model_shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq},
-        "run": a.run or f"demo-{os.uname().nodename}-{os.getpid()}",
+        "run": a.run or os.environ.get("MFUWATCH_RUN") or "demo-" + default_run_name(),
     }
     if a.port is not None:
         overrides["port"] = a.port

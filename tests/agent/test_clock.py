@@ -51,3 +51,33 @@ def test_overflow_merges_tokens_not_drops():
     assert sum(i.tokens for i in ivs) == 60
     assert ivs[-1].last_step == 6
     assert sum(i.steps for i in ivs) + ivs[0].first_step - 1 == 6
+
+
+def test_gap_leaves_its_time_out_and_keeps_steps_and_tokens():
+    now = FakeNow()
+    c = StepClock(torch.device("cpu"), now=now)
+    c.start()
+    now.t += 0.5
+    c.mark(1, 10)
+    now.t += 30.0  # evaluation
+    c.mark_gap(1)
+    now.t += 0.25
+    c.mark(2, 20)
+    ivs = c.poll()
+    assert [(i.first_step, i.last_step, i.steps, i.seconds, i.tokens) for i in ivs] == [(1, 1, 1, 0.5, 10),
+                                                                                         (2, 2, 1, 0.25, 20)]
+
+
+def test_gap_after_merged_boundaries_counts_their_steps_untimed():
+    now = FakeNow()
+    c = StepClock(torch.device("cpu"), now=now, max_pending=2)
+    c.start()
+    for step in (1, 2):
+        now.t += 1.0
+        c.mark(step, 5)  # the start mark and step 1 are merged away (max_pending=2)
+    c.mark_gap(2)
+    now.t += 1.0
+    c.mark(3, 7)
+    ivs = c.poll()
+    assert sum(i.steps for i in ivs) == 3 and sum(i.tokens for i in ivs) == 17
+    assert ivs[-1].first_step == 3 and ivs[-1].seconds == 1.0

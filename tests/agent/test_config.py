@@ -97,3 +97,17 @@ def test_bad_env_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "zero")
     with pytest.raises(ConfigError, match="LOCAL_RANK"):
         load_config()
+
+
+def test_default_run_is_shared_by_the_ranks_of_a_torchrun_job(monkeypatch):
+    monkeypatch.delenv("MFUWATCH_RUN", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert load_config().run == "torchrun-0f1e2d3c"
+
+
+def test_file_sd_dir_must_be_a_path():
+    with pytest.raises(ConfigError, match="file_sd_dir"):
+        load_config(file_sd_dir=3)

@@ -231,3 +231,29 @@ def test_step_is_ignored_when_optimizer_hook_marks_steps(caplog):
     assert a._step == 0
     assert sum("agent.step() ignored" in r.getMessage() for r in caplog.records) == 1
     a.close()
+
+
+def test_file_sd_target_written_while_the_agent_runs(tmp_path):
+    import json
+
+    a = Agent(config=dict(BASE, exporter=True, port=0, run="sd", file_sd_dir=str(tmp_path)))
+    port = int(a.exporter_url.rsplit(":", 1)[1].split("/")[0])
+    doc = json.loads((tmp_path / "sd-rank0.json").read_text())
+    a.close()
+    assert doc == [{"targets": [f"127.0.0.1:{port}"], "labels": {"__metrics_path__": "/metrics"}}]
+    assert not (tmp_path / "sd-rank0.json").exists()
+
+
+def test_mark_gap_leaves_evaluation_out_of_step_time():
+    a = Agent(config=dict(BASE, flops_per_step=1e12, peak_flops=1e13, report_every_steps=2))
+    now = _fake_clock(a)
+    now.t += 0.5
+    a.step(tokens=8)
+    now.t += 60.0  # evaluation between the steps
+    a.mark_gap()
+    now.t += 0.5
+    a.step(tokens=8)
+    a.close()
+    assert a.latest.steps == 2 and a.latest.tokens == 16
+    assert a.latest.step_time_seconds == pytest.approx(0.5)
+    assert a.latest.mfu == pytest.approx(1e12 / 0.5 / 1e13)

@@ -12,8 +12,8 @@ import time
 import urllib.request
 
 import pytest
-import torch
-from conftest import SEQ, TokenDataset, expected_tokens, install_fake_clock, llama_flops_per_token
+from helpers.integration_fixtures import (SEQ, TokenDataset, expected_tokens, install_fake_clock,
+                                          llama_flops_per_token)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -236,16 +236,12 @@ def test_late_patch_that_replaces_parameters_is_reported(tmp_path, tiny_llama, m
 _PATCHED_RUN = r'''
 import json, sys, torch, transformers
 sys.path.insert(0, sys.argv[1])
-from conftest import TokenDataset, VOCAB, D, FF, LAYERS, HEADS, KV_HEADS
+from helpers.integration_fixtures import TokenDataset, make_tiny_llama
 from transformers import Trainer, TrainingArguments
 from mfuwatch.agent.integrations.hf import MFUWatchCallback
 
 def train(patch):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=FF, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = make_tiny_llama()
     cb = MFUWatchCallback(patch_kernels=patch, exporter=False, nvml=False, alerts=False, profile_every="off",
                           peak_flops=1e12, run="patched")
     args = TrainingArguments(output_dir=sys.argv[2], per_device_train_batch_size=2, use_cpu=True, report_to="none",
@@ -272,7 +268,7 @@ def test_real_kernel_patch_trains_the_same_model(tmp_path):
     import sys
     from pathlib import Path
 
-    res = subprocess.run([sys.executable, "-c", _PATCHED_RUN, str(Path(__file__).parent), str(tmp_path)],
+    res = subprocess.run([sys.executable, "-c", _PATCHED_RUN, str(Path(__file__).parents[1]), str(tmp_path)],
                          env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])

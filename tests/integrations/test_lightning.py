@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SEQ, TokenDataset, expected_tokens, install_fake_clock, llama_flops_per_token
+from helpers.integration_fixtures import (SEQ, TokenDataset, expected_tokens, install_fake_clock,
+                                          llama_flops_per_token)
 
 L = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
