@@ -199,7 +199,7 @@ class Agent:
                 if n is None:
                     raise ConfigError("model_shape.n_params: required when no model is given")
                 shape = flops_mod.TransformerShape(ms.n_layers, ms.d_model, n, ms.seq_len,
-                                                   bool(getattr(model, "is_gradient_checkpointing", False)))
+                                                   flops_mod.uses_activation_checkpointing(model))
             elif model is not None:
                 shape = flops_mod.shape_from_hf_config(model)
         except ConfigError:

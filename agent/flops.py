@@ -27,7 +27,7 @@ FLOPs. (With frozen weights and checkpointing together this over-states model
 FLOPs; give ``flops_per_step`` then.) The analytic path has no executed count:
 its hardware FLOPs add one forward (2N + 4LdT per token, i.e. a third of the
 model FLOPs) when the model reports gradient checkpointing
-(``is_gradient_checkpointing``, as Hugging Face models do).
+(``is_activation_checkpointing``, formerly ``is_gradient_checkpointing``, as Hugging Face models do).
 """
 
 from __future__ import annotations
@@ -88,6 +88,20 @@ class TransformerShape:
     gradient_checkpointing: bool = False
 
 
+def uses_activation_checkpointing(model: Optional[nn.Module]) -> bool:
+    """Whether a (Hugging Face) model reports activation checkpointing.
+
+    transformers 5 names it ``is_activation_checkpointing`` (``is_gradient_checkpointing``
+    is its deprecated alias); older versions have only the latter.
+    """
+    if model is None:
+        return False
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in getattr(model, "__dict__", {}):
+            return bool(getattr(model, name, False))
+    return False
+
+
 def shape_from_hf_config(model: nn.Module) -> Optional[TransformerShape]:
     """Read layers and width from a Hugging Face ``model.config``; ``None`` if absent or not a decoder LM."""
     cfg = getattr(model, "config", None)
@@ -103,7 +117,7 @@ def shape_from_hf_config(model: nn.Module) -> Optional[TransformerShape]:
         d_model=width,
         n_params=count_matmul_params(model),
         seq_len=None,
-        gradient_checkpointing=bool(getattr(model, "is_gradient_checkpointing", False)),
+        gradient_checkpointing=uses_activation_checkpointing(model),
     )
 
 

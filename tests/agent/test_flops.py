@@ -62,3 +62,16 @@ def test_split_model_hardware():
     assert split_model_hardware(400, 100) == (300.0, 400.0)
     # frozen weights (no dW): executed < 3 x forward, model = executed
     assert split_model_hardware(250, 100) == (250.0, 250.0)
+
+
+def test_activation_checkpointing_detection_and_hfu_share():
+    from mfuwatch.agent.flops import uses_activation_checkpointing
+
+    class New(torch.nn.Module):  # transformers 5 spelling
+        is_activation_checkpointing = True
+
+    class Old(torch.nn.Module):  # transformers 4 spelling
+        is_gradient_checkpointing = True
+
+    assert uses_activation_checkpointing(New()) and uses_activation_checkpointing(Old())
+    assert not uses_activation_checkpointing(torch.nn.Linear(2, 2)) and not uses_activation_checkpointing(None)
