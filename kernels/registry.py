@@ -12,9 +12,9 @@ Each :class:`Remedy` is either
   field's discipline is to reach for the maintained fix first;
 * ``kind="bundled"``: a Triton drop-in in :mod:`mfuwatch.kernels`, applied with
   ``mfuwatch.kernels.patch(model, kernels=[...])``. Only names in :data:`BUNDLED_KERNELS`
-  (which must equal ``mfuwatch.kernels.AVAILABLE_KERNELS``) may be bundled; remedies for
-  ops without a bundled kernel yet (cross-entropy, rotary embedding) point to an existing
-  fix and say so in ``note``.
+  (= ``mfuwatch.kernels.AVAILABLE_KERNELS``) may be bundled (a bundled entry naming anything
+  else raises at import); remedies for ops without a bundled kernel yet (cross-entropy,
+  rotary embedding) point to an existing fix and say so in their title.
 
 How an entry finds its ops (first that applies):
 
@@ -28,9 +28,9 @@ How an entry finds its ops (first that applies):
 * ``region``: all ops inside a ``user_annotation`` whose name matches the regex
   (``Optimizer.step#AdamW.step``), unless one of them is in ``exclude`` (already fixed).
 * ``detector``: a rule computed by the agent: ``"pointwise_chain"`` (runs of
-  ``min_chain`` or more memory-bound pointwise ops), ``"launch_bound"`` (GPU idle gaps
-  shorter than ``max_gap_seconds`` between kernels), ``"fp32_matmul"`` (matmul-like ops
-  with fp32 inputs on a GPU with bf16 tensor cores).
+  :data:`MIN_CHAIN` or more memory-bound pointwise ops), ``"launch_bound"`` (GPU idle gaps
+  shorter than :data:`MAX_LAUNCH_GAP_SECONDS` between kernels), ``"fp32_matmul"``
+  (matmul-like ops with fp32 inputs on a GPU with bf16 tensor cores).
 
 The **minimal bytes** of the replacement, for the expected gain, come from the *anchor*
 tensor: input ``anchor_arg`` of the first claimed op named ``anchor_op`` (the first

@@ -51,7 +51,6 @@ class Sink:
         self.done.set()
 
 
-@pytest.mark.slow
 def test_live_cpu_window_produces_a_measurement_and_metrics():
     sink = Sink()
     sampler = ProfilerSampler(every_steps=5, warmup_steps=1, active_steps=3, device=torch.device("cpu"),
@@ -84,9 +83,10 @@ def test_live_cpu_window_produces_a_measurement_and_metrics():
 
 
 def test_window_is_skipped_and_said_once_when_another_profiler_runs(caplog):
-    sink = Sink()
+    sink, outcomes = Sink(), []
     sampler = ProfilerSampler(every_steps=2, device="cpu", gpu_spec={"peak_flops": {"fp32": 1e11},
-                              "memory_bandwidth_bytes_per_second": 1e10}, on_window=sink.window, on_error=sink.error)
+                              "memory_bandwidth_bytes_per_second": 1e10}, on_window=sink.window, on_error=sink.error,
+                              on_outcome=outcomes.append)
     caplog.set_level(logging.WARNING, logger="mfuwatch")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         for i in range(1, 7):
@@ -94,6 +94,7 @@ def test_window_is_skipped_and_said_once_when_another_profiler_runs(caplog):
         assert sampler._prof is None  # never started a second profiler
     sampler.close()
     assert sampler.windows["skipped_other_profiler"] == 3  # due at steps 2, 4, 6
+    assert outcomes == ["skipped_other_profiler"] * 3
     assert sum("another torch profiler is active" in r.message for r in caplog.records) == 1
     assert sink.errors == [] and sink.windows == []
 
@@ -110,9 +111,9 @@ def test_close_terminates_a_running_analysis():
     sampler.on_step(2)  # stops, exports, spawns the child analysis
     child = sampler._child
     assert child is not None
-    sampler.close()
-    assert child.poll() is not None  # terminated (or finished), not left running
-    assert sink.windows == []  # a window finishing during close is not delivered
+    sampler.close()  # waits up to 0.8 s for the analysis (which imports torch), then terminates it
+    assert child.poll() is not None  # finished or terminated, not left running
+    assert sink.errors == [] and len(sink.windows) <= 1  # a terminated analysis is dropped silently
 
 
 def test_lasting_slowdown_after_a_window_is_reported_once_and_stops_windows():

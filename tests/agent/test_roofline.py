@@ -195,3 +195,30 @@ def test_stall_trace_idle_is_well_above_half_and_matches_an_independent_union():
     assert wm.breakdown["idle"] == pytest.approx(expected_idle, abs=1e-9)
     assert wm.breakdown["idle"] > 0.75  # 50 ms host sleep per 62 ms step
     assert sum(wm.breakdown[c] for c in BUSY_CATEGORIES) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_cpu_window_uses_op_self_time_and_the_union_of_top_level_ops():
+    b = TraceBuilder()
+    x, w, bias = [256, 256], [256, 256], [256]
+    b.op("aten::linear", 0.0, 30.0, dims=[x, w, bias])
+    b.op("aten::t", 1.0, 1.0, dims=[w])
+    b.op("aten::addmm", 3.0, 20.0, dims=[bias, x, w, [], []], types=["float"] * 3 + ["Scalar"] * 2,
+         concrete=["", "", "", "1", "1"])  # 2·256³ FLOP / (256 + 3·256²)·4 B = 42.6 FLOP/B >= 10
+    b.op("aten::relu", 40.0, 10.0, dims=[x])
+    wm = analyze_events(b.events, spec_or_peaks=TOY, device_type="cpu", top_k=10)
+    # kernels: linear's own 9 µs (30 − 1 − 20), t 1, addmm 20, relu 10 = 40 µs
+    assert wm.kernels_per_step == 4 and wm.mean_kernel_seconds == pytest.approx(10e-6)
+    assert wm.breakdown["compute_bound"] == pytest.approx(20 / 40)  # addmm
+    assert wm.breakdown["memory_bound"] == pytest.approx(10 / 40)  # relu
+    assert wm.breakdown["other"] == pytest.approx(10 / 40)  # linear's own dispatch time (9) and the view t (1)
+    assert wm.busy_seconds == pytest.approx(40e-6) and wm.breakdown["idle"] == pytest.approx(10 / 50)
+
+
+def test_kernels_under_a_non_aten_op_are_labelled_by_kernel_name():
+    b = TraceBuilder()
+    ext = b.op("CompiledFunction", 0.0, 50.0)  # torch.compile's autograd function, no shapes
+    b.kernel("triton_poi_fused_add_mul_0", 10.0, 5.0, ext=ext)
+    b.kernel("triton_tem_fused_mm_1", 20.0, 15.0, ext=ext)
+    wm = analyze_events(b.events, spec_or_peaks=TOY)
+    assert {(o.op, o.bound) for o in wm.top_ops} == {("triton_poi_fused_add_mul", "memory"),
+                                                     ("triton_tem_fused_mm", "compute")}

@@ -106,6 +106,23 @@ def test_swiglu_skips_the_up_projection_between_silu_and_mul():
     assert s.expected_gain == pytest.approx((40e-6 - 16 * e / BW) / STEP, rel=1e-12)
 
 
+def test_attention_written_out_suggests_sdpa_counting_the_matmuls_it_keeps():
+    tl = Timeline()
+    q, kt, a = [2, 4, 128, 64], [2, 4, 64, 128], [2, 4, 128, 128]
+    tl.fwd("aten::matmul", [q, kt], [BF16, BF16], 100.0, inner=("aten::bmm", [[8, 128, 64], [8, 64, 128]], [BF16] * 2))
+    tl.fwd("aten::mul", [a, []], [BF16, "Scalar"], 20.0)
+    tl.fwd("aten::ones", [[], []], ["ScalarList", "Scalar"], 5.0)  # the mask, built in between: not claimed
+    tl.fwd("aten::masked_fill", [a, [128, 128], []], [BF16, "bool", "Scalar"], 20.0)
+    tl.fwd("aten::softmax", [a, [], []], [BF16, "Scalar", "Scalar"], 20.0)
+    tl.fwd("aten::matmul", [a, q], [BF16, BF16], 100.0, inner=("aten::bmm", [[8, 128, 128], [8, 128, 64]], [BF16] * 2))
+    s = _by_kernel(tl.analyze())["sdpa"]
+    assert s.kind == "existing" and s.time_seconds == pytest.approx(260e-6)
+    assert s.ops == ["aten::masked_fill", "aten::matmul", "aten::mul", "aten::softmax"]
+    # flash attention forward reads q, k, v and writes o: 4 × q's 2·4·128·64 bf16 elements; its two matmuls
+    # (2 × 2·8·128·64·128 FLOP at 100 TFLOP/s = 0.34 µs) take less than moving those bytes (0.52 µs)
+    assert s.expected_gain == pytest.approx((260e-6 - 4 * 2 * 4 * 128 * 64 * 2 / BW) / STEP, rel=1e-12)
+
+
 def _adamw_timeline(fused_op: bool = False) -> Timeline:
     tl = Timeline()
     tl.b.annotation("Optimizer.step#AdamW.step", 0.0, 500.0)

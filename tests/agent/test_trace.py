@@ -54,9 +54,9 @@ def test_ops_nest_per_thread_with_top_level_and_region():
     index = TraceIndex.build(_small().events)
     names = [index.op_label(i) for i in range(len(index.op_ts))]
     i_lin, i_t, i_mm, i_add = (names.index(n) for n in ("aten::linear", "aten::t", "aten::addmm", "aten::add_"))
-    assert index.op_parent[i_t] == i_lin and index.op_parent[i_mm] == i_lin
-    assert index.op_top[i_mm] == i_lin and index.op_top[i_lin] == i_lin
-    assert index.op_has_child[i_lin] == 1 and index.op_has_child[i_mm] == 0
+    assert index.op_top[i_t] == i_lin and index.op_top[i_mm] == i_lin and index.op_top[i_lin] == i_lin
+    # self time: linear 30 µs minus t (1) and addmm (20); addmm has no child
+    assert index.op_self[i_lin] == pytest.approx(9.0) and index.op_self[i_mm] == 20.0
     # the optimizer annotation is the add_'s region; the ProfilerStep annotation is nobody's region
     assert index.names[index.op_region[i_add]] == "Optimizer.step#AdamW.step"
     assert index.op_region[i_lin] == -1

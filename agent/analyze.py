@@ -1,0 +1,164 @@
+"""``mfuwatch analyze TRACE``: time breakdown, top ops and suggestions of a saved profiler trace.
+
+Reads any chrome trace exported by ``torch.profiler`` (``.json`` or ``.json.gz``),
+streaming (memory stays bounded on multi-GB traces), and prints the breakdown
+(compute-bound / memory-bound / communication / other, and idle), the top ops with
+their share and bound, and the ranked suggestions with their expected gain — as tables,
+or as one JSON ``WindowMeasurement`` record with ``--json``.
+
+Peak FLOP/s and bandwidth: ``--peak-flops``/``--bandwidth`` when given; else the GPU
+named by ``--gpu``, else the trace's ``deviceProperties[0].name``, looked up in the peak
+table (``mfuwatch.agent.peaks``). Exit status: 0 on success, 1 when the file is not a
+readable trace (not JSON, truncated, no GPU activity) or the GPU is unknown, 2 on usage
+errors. The profiler sampler runs this module in a child process on each live window.
+
+    mfuwatch analyze trace.json.gz
+    mfuwatch analyze trace.json --json --steps 3 --step-time 0.0267
+    mfuwatch analyze cpu_trace.json --device cpu --peak-flops fp32=2e11 --bandwidth 2e10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from .schema import to_record
+from .trace import TraceError, read_trace
+
+_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mfuwatch analyze", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="chrome trace exported by torch.profiler (.json or .json.gz)")
+    p.add_argument("--json", action="store_true", help="print one JSON WindowMeasurement record")
+    p.add_argument("--output", metavar="FILE", help="write the output to FILE instead of stdout")
+    p.add_argument("--steps", type=int, help="training steps in the trace (default: ProfilerStep# or "
+                                             "Optimizer.step# annotations, else 1)")
+    p.add_argument("--step-time", type=float, metavar="SECONDS",
+                   help="step time measured outside the profiler, for the gains (default: wall / steps)")
+    p.add_argument("--gpu", help="GPU name for the peak table (default: the trace's deviceProperties)")
+    p.add_argument("--peak-flops", action="append", default=[], metavar="DTYPE=FLOP/S",
+                   help=f"dense peak FLOP/s per dtype ({', '.join(_DTYPES)}), e.g. bf16=989e12; repeatable")
+    p.add_argument("--bandwidth", type=float, metavar="BYTES/S", help="peak memory bandwidth, e.g. 4.8e12")
+    p.add_argument("--measured-bandwidth", type=float, metavar="BYTES/S",
+                   help="calibrated bandwidth for the replacement times (default: from the window)")
+    p.add_argument("--fp32-matmul", choices=("fp32", "tf32"), default="fp32",
+                   help="unit fp32 matmuls ran on (tf32 when torch allowed TF32)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a CPU-only trace, each op's self time acts as a kernel (needs --peak-flops fp32=… --bandwidth)")
+    p.add_argument("--top-k", type=int, default=8, help="ops to list (default 8)")
+    p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)  # the live sampler's child
+    return p
+
+
+def _peaks(args: argparse.Namespace, device_properties: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Peaks mapping for :class:`mfuwatch.agent.roofline.Peaks` from flags or the peak table.
+
+    Raises:
+        ValueError: a malformed ``--peak-flops`` or an unknown GPU without flags.
+    """
+    flops: Dict[str, float] = {}
+    for item in args.peak_flops:
+        key, _, val = item.partition("=")
+        if key not in _DTYPES or not val:
+            raise ValueError(f"--peak-flops: expected DTYPE=FLOP/S with DTYPE in {', '.join(_DTYPES)}, got {item!r}")
+        flops[key] = float(val)
+    bw = args.bandwidth
+    name = args.gpu or (device_properties[0].get("name") if device_properties else None)
+    spec = None
+    if (not flops or not bw) and args.device == "cuda" and name:
+        try:
+            from . import peaks as peak_table
+            spec = peak_table.lookup(name=name)
+        except ImportError:
+            spec = None
+    if spec is not None:
+        flops = {**{k: float(v) for k, v in spec.peak_flops.items() if v}, **flops}
+        bw = bw or spec.memory_bandwidth_bytes_per_second
+    if not flops or not bw:
+        what = f"GPU {name!r} is not in the peak table" if name else "no GPU name in the trace"
+        raise ValueError(f"{what}: pass --peak-flops DTYPE=FLOP/S (e.g. fp32=67e12 --peak-flops bf16=989e12) "
+                         f"and --bandwidth BYTES/S")
+    return {"peak_flops": flops, "memory_bandwidth_bytes_per_second": bw, "name": name or "",
+            "source": "flags" if spec is None else getattr(spec, "source", ""),
+            "measured_bandwidth_bytes_per_second": args.measured_bandwidth, "fp32_matmul": args.fp32_matmul}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run ``mfuwatch analyze``; returns the exit status (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    if args.nice:
+        try:
+            os.nice(args.nice)
+        except OSError:
+            pass
+    from .roofline import analyze_events
+
+    try:
+        tf = read_trace(args.trace)
+        peaks = _peaks(args, tf.device_properties)
+        wm = analyze_events(tf.events(), spec_or_peaks=peaks, steps=args.steps, step_time_seconds=args.step_time,
+                            top_k=args.top_k, device_type=args.device, timestamp=os.path.getmtime(args.trace))
+    except (TraceError, ValueError) as exc:
+        print(f"mfuwatch analyze: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        rec = to_record("window", wm)
+        rec["analysis"] = {"trace": args.trace, "gpu": peaks["name"], "peak_flops": peaks["peak_flops"],
+                           "memory_bandwidth_bytes_per_second": peaks["memory_bandwidth_bytes_per_second"]}
+        text = json.dumps(rec)
+    else:
+        text = render(wm, title=f"{args.trace} ({peaks['name'] or args.device})")
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    else:
+        try:
+            print(text)
+            sys.stdout.flush()
+        except BrokenPipeError:  # e.g. piped into `head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def render(wm: Any, title: str = "") -> str:
+    """The human-readable tables of a :class:`WindowMeasurement` (rich, rendered to text)."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=io.StringIO(), record=True, width=120, force_terminal=False, color_system=None)
+    step = f"{wm.step_time_seconds * 1e3:.2f} ms/step" if wm.step_time_seconds else "step time unknown"
+    console.print(f"{title}\n{wm.steps} steps, wall {wm.wall_seconds * 1e3:.2f} ms, GPU busy {wm.busy_seconds * 1e3:.2f} ms, "
+                  f"{step}, {wm.kernels_per_step:.0f} kernels/step, mean kernel {wm.mean_kernel_seconds * 1e6:.1f} µs")
+    t = Table(title="Time breakdown")
+    t.add_column("category")
+    t.add_column("share", justify="right")
+    for k, v in wm.breakdown.items():
+        t.add_row(k, f"{v:.1%}" + ("  of wall time" if k == "idle" else "  of kernel time"))
+    console.print(t)
+    t = Table(title="Top ops (share of kernel time)")
+    for c, j in (("op", "left"), ("bound", "left"), ("share", "right"), ("ms/step", "right"), ("kernels", "right"),
+                 ("FLOP/B", "right")):
+        t.add_column(c, justify=j)
+    for o in wm.top_ops:
+        ai = "" if o.arithmetic_intensity is None else f"{o.arithmetic_intensity:.3g}"
+        t.add_row(o.op, o.bound, f"{o.share:.1%}", f"{o.time_seconds * 1e3 / max(wm.steps, 1):.3f}", str(o.kernels), ai)
+    console.print(t)
+    t = Table(title="Suggestions (existing fixes first; gains of overlapping remedies are not additive)")
+    for c in ("kernel", "kind", "expected gain", "ms/step", "apply"):
+        t.add_column(c, justify="right" if c in ("expected gain", "ms/step") else "left")
+    for s in wm.suggestions:
+        t.add_row(s.kernel, s.kind, f"{s.expected_gain:.1%}", f"{s.time_seconds * 1e3:.3f}", s.apply)
+    console.print(t if wm.suggestions else "No suggestion with an expected gain of 0.5% or more.")
+    return console.export_text().rstrip()
+
+
+if __name__ == "__main__":  # the profiler sampler's child process
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""Profiler sampler: a short ``torch.profiler`` window every few minutes, analysed in a child process.
+
+Cadence: every ``every_steps`` optimizer steps or ``every_seconds`` (whichever comes first),
+the sampler starts ``torch.profiler.profile`` (CPU + CUDA activities, ``record_shapes=True``)
+with the schedule ``warmup_steps`` then ``active_steps``, driven by :meth:`on_step` at each
+optimizer step boundary. When the window closes, the trace is exported to a temporary file
+on the training thread (Kineto's C++ writer, tens of ms) and analysed by
+``python -m mfuwatch.agent.analyze --json`` in a child process at lower priority (nice 10
+next to a GPU job, 5 next to CPU training, which keeps every core busy) with one BLAS thread: parsing tens of thousands of events in Python would otherwise take the GIL
+from the training loop (``prof.events()`` for a 5-step window of a 4-layer Llama took
+0.9 s of CPU on an H200 host). The child's :class:`WindowMeasurement` reaches
+``on_window`` from a waiter thread.
+
+Guards:
+
+* another profiler already active (the user's own) ⇒ the window is skipped, counted in
+  :attr:`windows` ``["skipped_other_profiler"]``, and said once in the log;
+* a trace larger than ``max_trace_bytes`` is not analysed and later windows record half as
+  many steps (this bounds the memory a window takes: Kineto's buffers grow with the events
+  of the active steps);
+* CUPTI left attached after profiling slowed later steps by 10–20% in some torch versions
+  (pytorch/pytorch#144455): with CUDA ≥ 12.6 the sampler sets ``TEARDOWN_CUPTI=1`` unless
+  the environment already sets it, and (on GPUs) it compares the median step interval of
+  the 16 steps after each window (skipping 2), and again 16 steps later, with the 32
+  before; a slowdown above :data:`LASTING_SLOWDOWN` in both checks is reported once
+  through ``on_error`` and stops further windows.
+
+On a CPU-only run the window records CPU ops only and is analysed with ``--device cpu``
+(each CPU op's self time acts as a kernel, see :mod:`.roofline`), against the ``gpu_spec`` mapping if
+given, else a CPU calibration (``peaks.calibrate_matmul(cpu, fp32)`` and
+``peaks.calibrate_bandwidth(cpu)``, about 2 s once per process).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable, Dict, Optional
+
+from .schema import WindowMeasurement
+
+log = logging.getLogger("mfuwatch")
+
+#: Relative step-time increase after a window, sustained over 16 steps, reported as a lasting slowdown.
+LASTING_SLOWDOWN = 0.10
+_CPU_PEAKS: Optional[Dict[str, Any]] = None  # one CPU calibration per process
+
+
+class ProfilerSampler:
+    """Short profiler windows on a cadence, analysed off the training thread.
+
+    Args:
+        every_steps: a window every this many optimizer steps (None: no step cadence).
+        every_seconds: a window every this many seconds (None: no time cadence).
+        warmup_steps: profiler warm-up steps before recording (0 allowed; torch warns).
+        active_steps: recorded steps per window (>= 1).
+        device: the training ``torch.device``; "cuda" records CUDA activities too.
+        gpu_spec: ``GpuSpec`` / mapping with ``peak_flops`` and ``memory_bandwidth_bytes_per_second``;
+            None ⇒ looked up by device name, else calibrated.
+        top_k: ops kept in ``WindowMeasurement.top_ops``.
+        on_window: called with each :class:`WindowMeasurement`, from a waiter thread.
+        on_error: ``on_error("profiler", exc)`` for every failure (never raised to the caller).
+        max_trace_bytes: larger exported traces are not analysed (default 1 GiB).
+        analyze_timeout_seconds: the child is killed after this long (default 300 s).
+        on_outcome: optional ``on_outcome(outcome)`` per window, outcome one of "ok", "error",
+            "skipped_other_profiler", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
+            the same counts are kept in :attr:`windows`.
+
+    Raises:
+        ValueError: neither cadence set, or a non-positive cadence / step count (fail fast).
+    """
+
+    def __init__(self, *, every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
+                 warmup_steps: int = 1, active_steps: int = 3, device: Any = "cpu", gpu_spec: Any = None,
+                 top_k: int = 8, on_window: Callable[[WindowMeasurement], None],
+                 on_error: Callable[[str, BaseException], None], max_trace_bytes: int = 1 << 30,
+                 analyze_timeout_seconds: float = 300.0,
+                 on_outcome: Optional[Callable[[str], None]] = None) -> None:
+        if not every_steps and not every_seconds:
+            raise ValueError("profile_every: set every_steps or every_seconds (e.g. '500 steps' or '300s')")
+        if (every_steps is not None and every_steps <= 0) or (every_seconds is not None and every_seconds <= 0):
+            raise ValueError(f"profile_every: must be positive, got steps={every_steps} seconds={every_seconds}")
+        if warmup_steps < 0 or active_steps < 1:
+            raise ValueError(f"profile_warmup_steps >= 0 and profile_active_steps >= 1 required, "
+                             f"got {warmup_steps} and {active_steps}")
+        import torch
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.warmup_steps, self.active_steps = int(warmup_steps), int(active_steps)
+        self.gpu_spec, self.top_k = gpu_spec, int(top_k)
+        self.on_window, self.on_error, self.on_outcome = on_window, on_error, on_outcome
+        self.max_trace_bytes, self.analyze_timeout_seconds = max_trace_bytes, analyze_timeout_seconds
+        #: window outcomes: ok, error, skipped_other_profiler, too_large (for profile_windows_total{outcome})
+        self.windows: Dict[str, int] = collections.Counter()
+        self.lasting_slowdown: Optional[float] = None  # relative slowdown seen after a window, if any
+        self.disabled = False
+        self._intervals: collections.deque = collections.deque(maxlen=64)
+        self._n = 0  # step boundaries seen
+        self._last_t: Optional[float] = None
+        self._next_step = every_steps if every_steps else None
+        self._next_time = time.monotonic() + every_seconds if every_seconds else None
+        self._prof = None
+        self._prof_steps = 0
+        self._window_step = 0
+        self._step_time: Optional[float] = None
+        self._before: Optional[float] = None
+        self._watch_at: Optional[int] = None
+        self._watch_hits = 0
+        self._busy = False  # a child analysis is running
+        self._closing = False  # set by close(): results of a terminated child are dropped
+        self._stopping = False  # set by close(): no new windows
+        self._said_skip = False
+        self._peaks: Optional[Dict[str, Any]] = None
+        self._child: Optional[subprocess.Popen] = None
+        self._waiter: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        if self.cuda and "TEARDOWN_CUPTI" not in os.environ and _cuda_at_least(12, 6):
+            os.environ["TEARDOWN_CUPTI"] = "1"  # detach CUPTI after each window (pytorch/pytorch#144455)
+
+    # ------------------------------------------------------------------ training thread
+    def on_step(self, step: int, step_time_seconds: Optional[float] = None) -> None:
+        """Mark an optimizer step boundary (training thread). Microseconds when no window is due; never raises.
+
+        ``step_time_seconds``: the latest step time measured outside the profiler (for gains), if known.
+        """
+        now = time.perf_counter()
+        if self._last_t is not None:
+            self._intervals.append(now - self._last_t)
+        self._last_t = now
+        self._n += 1
+        if self._prof is not None:
+            self._advance(step)
+            return
+        if self._watch_at is not None and self._n >= self._watch_at:
+            self._check_slowdown()
+        if self._busy or self.disabled or self._stopping:
+            return
+        if (self._next_step is not None and step >= self._next_step) or (
+                self._next_time is not None and time.monotonic() >= self._next_time):
+            self._start(step, step_time_seconds)
+
+    def _schedule_next(self, step: int) -> None:
+        if self.every_steps:
+            self._next_step = step + self.every_steps
+        if self.every_seconds:
+            self._next_time = time.monotonic() + self.every_seconds
+
+    def _start(self, step: int, step_time_seconds: Optional[float]) -> None:
+        try:
+            import torch
+            from torch.profiler import ProfilerActivity, profile, schedule
+
+            self._schedule_next(step)
+            if torch.autograd._profiler_enabled():
+                self._skip_other()
+                return
+            if self._peaks is None:
+                self._peaks = self._resolve_peaks()
+            recent = list(self._intervals)[-32:]
+            self._before = statistics.median(recent) if len(recent) >= 8 else None
+            self._step_time = step_time_seconds or (statistics.median(recent) if recent else None)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            with warnings.catch_warnings():  # warmup_steps=0 is the user's choice; torch warns about it
+                warnings.simplefilter("ignore", UserWarning)
+                prof = profile(activities=acts, record_shapes=True, on_trace_ready=self._ready,
+                               schedule=schedule(wait=0, warmup=self.warmup_steps, active=self.active_steps,
+                                                 repeat=1))
+            self._window_step, self._prof_steps = step, 0
+            try:
+                prof.start()
+            except RuntimeError as exc:  # Kineto refuses a second session: the user's profiler won the race
+                if "already" in str(exc).lower() or "enabled" in str(exc).lower():
+                    self._skip_other()
+                    return
+                raise
+            self._prof = prof
+        except Exception as exc:  # noqa: BLE001 - never crash training
+            self._fail(exc)
+
+    def _count(self, outcome: str) -> None:
+        self.windows[outcome] += 1
+        if self.on_outcome is not None:
+            try:
+                self.on_outcome(outcome)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _skip_other(self) -> None:
+        self._count("skipped_other_profiler")
+        if not self._said_skip:
+            self._said_skip = True
+            log.warning("mfuwatch: another torch profiler is active; profiler windows are skipped while it runs "
+                        "(counted in mfuwatch_profile_windows_total{outcome=\"skipped_other_profiler\"})")
+
+    def _advance(self, step: int) -> None:
+        prof = self._prof
+        self._window_step = step  # the window's measurement is stamped with its last step
+        try:
+            prof.step()  # the last call stops the trace and runs _ready() on this thread
+            self._prof_steps += 1
+            if self._prof_steps >= self.warmup_steps + self.active_steps:
+                self._prof = None
+                prof.stop()
+                if self.cuda:  # CUPTI is a GPU-side concern; CPU step times are too noisy to judge
+                    self._watch_at, self._watch_hits = self._n + 2 + 16, 0
+                self._schedule_next(step)
+        except Exception as exc:  # noqa: BLE001
+            self._prof = None
+            try:
+                prof.stop()
+            except Exception:  # noqa: BLE001
+                pass
+            self._fail(exc)
+
+    def _ready(self, prof: Any) -> None:
+        """``on_trace_ready``: export the trace and start the child analysis (training thread)."""
+        if self._stopping:
+            return
+        workdir = tempfile.mkdtemp(prefix="mfuwatch-window-")
+        try:
+            path = os.path.join(workdir, "window.json")
+            prof.export_chrome_trace(path)
+            size = os.path.getsize(path)
+            if size > self.max_trace_bytes:
+                self._count("too_large")
+                self.active_steps = max(1, self.active_steps // 2)
+                raise RuntimeError(f"profiler trace of {size} bytes exceeds max_trace_bytes={self.max_trace_bytes}; "
+                                   f"later windows record {self.active_steps} step(s)")
+            out = os.path.join(workdir, "window.out.json")
+            nice = "10" if self.cuda else "5"  # CPU training owns the cores; a nicer child would starve
+            cmd = [sys.executable, "-m", "mfuwatch.agent.analyze", path, "--json", "--output", out, "--nice", nice,
+                   "--steps", str(self.active_steps), "--top-k", str(self.top_k),
+                   "--device", "cuda" if self.cuda else "cpu", "--fp32-matmul", self._peaks.get("fp32_matmul", "fp32"),
+                   "--bandwidth", repr(float(self._peaks["memory_bandwidth_bytes_per_second"]))]
+            for k, v in self._peaks["peak_flops"].items():
+                if v:
+                    cmd += ["--peak-flops", f"{k}={float(v)!r}"]
+            if self._peaks.get("measured_bandwidth_bytes_per_second"):
+                cmd += ["--measured-bandwidth", repr(float(self._peaks["measured_bandwidth_bytes_per_second"]))]
+            if self._step_time:
+                cmd += ["--step-time", repr(float(self._step_time))]
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=env, close_fds=True)
+            with self._lock:
+                self._busy, self._child = True, child
+            self._waiter = threading.Thread(target=self._wait_child, args=(child, out, workdir, self._window_step),
+                                            name="mfuwatch-window", daemon=True)
+            self._waiter.start()
+        except Exception as exc:  # noqa: BLE001
+            shutil.rmtree(workdir, ignore_errors=True)
+            self._fail(exc)
+
+    # ------------------------------------------------------------------ waiter thread
+    def _wait_child(self, child: subprocess.Popen, out: str, workdir: str, step: int) -> None:
+        try:
+            try:
+                _, err = child.communicate(timeout=self.analyze_timeout_seconds)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+                raise RuntimeError(f"window analysis took over {self.analyze_timeout_seconds} s; killed")
+            if self._closing:
+                return
+            if child.returncode != 0:
+                tail = err.decode("utf-8", "replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"window analysis exited with {child.returncode}: {' | '.join(tail)}")
+            from .roofline import window_from_dict
+
+            with open(out, encoding="utf-8") as f:
+                wm = window_from_dict(json.load(f))
+            wm.step, wm.timestamp = step, time.time()
+            self._count("ok")
+            self.on_window(wm)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            with self._lock:
+                self._busy, self._child = False, None
+
+    # ------------------------------------------------------------------ helpers
+    def _fail(self, exc: BaseException) -> None:
+        self._count("error")
+        try:
+            self.on_error("profiler", exc)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _check_slowdown(self) -> None:
+        """Compare the last 16 step intervals with the 32 before the window; flag only when two checks,
+        16 steps apart, both exceed :data:`LASTING_SLOWDOWN` (one slow stretch can be noise)."""
+        self._watch_at = None
+        after = list(self._intervals)[-16:]
+        if self._before is None or len(after) < 8 or self._before <= 0:
+            return
+        ratio = statistics.median(after) / self._before - 1.0
+        if ratio <= LASTING_SLOWDOWN:
+            return
+        self._watch_hits += 1
+        if self._watch_hits < 2:
+            self._watch_at = self._n + 16
+            return
+        self.lasting_slowdown = ratio
+        self.disabled = True
+        self._fail(RuntimeError(
+            f"steps after a profiler window are {ratio:.0%} slower than before it (CUPTI left attached?); "
+            "profiler windows are disabled for this run (set TEARDOWN_CUPTI=1 or profile_every='off')"))
+
+    def _resolve_peaks(self) -> Dict[str, Any]:
+        """Peaks for the child: the given spec, else the peak table by device name, else a calibration."""
+        import torch
+
+        from . import peaks as table
+
+        spec = self.gpu_spec
+        if spec is None and self.cuda:
+            spec = table.lookup(name=torch.cuda.get_device_name(self.device))
+        if spec is not None:
+            get = spec.get if isinstance(spec, dict) else (lambda k, d=None: getattr(spec, k, d))
+            p = {"peak_flops": dict(get("peak_flops")), "memory_bandwidth_bytes_per_second":
+                 float(get("memory_bandwidth_bytes_per_second")),
+                 "measured_bandwidth_bytes_per_second": get("measured_bandwidth_bytes_per_second")}
+        elif self.cuda:
+            p = {"peak_flops": {"fp32": table.calibrate_matmul(self.device, "fp32"),
+                                "bf16": table.calibrate_matmul(self.device, "bf16"),
+                                "fp16": table.calibrate_matmul(self.device, "fp16")},
+                 "memory_bandwidth_bytes_per_second": table.calibrate_bandwidth(self.device)}
+            p["measured_bandwidth_bytes_per_second"] = p["memory_bandwidth_bytes_per_second"]
+        else:
+            global _CPU_PEAKS
+            if _CPU_PEAKS is None:
+                bw = table.calibrate_bandwidth(self.device)
+                _CPU_PEAKS = {"peak_flops": {"fp32": table.calibrate_matmul(self.device, "fp32")},
+                              "memory_bandwidth_bytes_per_second": bw, "measured_bandwidth_bytes_per_second": bw}
+            p = dict(_CPU_PEAKS)
+        p["fp32_matmul"] = "tf32" if self.cuda and torch.backends.cuda.matmul.allow_tf32 else "fp32"
+        return p
+
+    def close(self) -> None:
+        """Stop any window; give a running analysis up to 0.8 s to finish and deliver its window, then
+        terminate it. Blocks about 1 s at most. Never raises."""
+        self._stopping = True  # no new window, and a window being stopped now is not exported
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:  # noqa: BLE001
+                pass
+        with self._lock:
+            child = self._child
+        if child is not None and child.poll() is None:
+            try:
+                child.wait(timeout=0.8)
+            except subprocess.TimeoutExpired:
+                self._closing = True  # the waiter drops the killed child's result silently
+                try:
+                    child.terminate()
+                    child.wait(timeout=0.2)
+                except Exception:  # noqa: BLE001
+                    try:
+                        child.kill()
+                    except Exception:  # noqa: BLE001
+                        pass
+        if self._waiter is not None:
+            self._waiter.join(timeout=0.3)
+        self._closing = True
+
+
+def _cuda_at_least(major: int, minor: int) -> bool:
+    import torch
+
+    try:
+        got = tuple(int(x) for x in (torch.version.cuda or "0.0").split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
