@@ -562,8 +562,14 @@ class Agent:
                 self.alerts.observe_window(window)
 
     # ------------------------------------------------------------------ closing
-    def close(self) -> None:
-        """Remove the hooks, flush the last measurement, stop threads and the server. Idempotent."""
+    def close(self, timeout: float = 1.0) -> None:
+        """Remove the hooks, flush the last measurement, stop threads and the server. Idempotent.
+
+        Args:
+            timeout: seconds a profiler-window analysis still running may take to deliver its window
+                (its result is dropped after that). The default keeps ``close()`` short at the end of a
+                job; the demo passes a longer one so a short run still shows its last window.
+        """
         if self._closed:
             return
         self._closed = True
@@ -579,11 +585,16 @@ class Agent:
                 torch.cuda.synchronize(self.device)
         self._stop.set()
         self._thread.join(timeout=5.0)
-        for comp in ("profiler", "nvml", "alerts"):
-            obj = getattr(self, comp)
-            if obj is not None:
-                with self.errors.guard("close"):
-                    obj.close()
+        if self.profiler is not None:
+            with self.errors.guard("close"):
+                self.profiler.close(wait_seconds=timeout)
+        if self.nvml is not None:
+            with self.errors.guard("close"):
+                self.nvml.close()
+        if self.alerts is not None:
+            with self.errors.guard("close"):
+                self.alerts.evaluate()  # once more: the last report and window arrived during close
+                self.alerts.close()
         with self.errors.guard("close"):
             self.exporter.close()
         if self._sd_target is not None:

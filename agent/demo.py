@@ -90,7 +90,7 @@ PRESETS: Dict[str, DemoShape] = {
     # GPU default: ~200 M matmul params, bf16 autocast, 16k tokens per step
     "gpu": DemoShape(d_model=1024, n_layers=12, n_heads=16, d_ff=2816, seq=1024, batch=16),
     # memory-bound on purpose: narrow and long, so norms and pointwise ops dominate the kernel time
-    "memory-bound": DemoShape(d_model=64, n_layers=2, n_heads=2, d_ff=176, seq=512, batch=32),
+    "memory-bound": DemoShape(d_model=16, n_layers=2, n_heads=2, d_ff=48, seq=32, batch=256),
 }
 
 
@@ -291,7 +291,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                         mfus.append(m.mfu)
                 mfu_s = f"{m.mfu:6.1%}" if (m and m.mfu is not None) else "   n/a"
                 con.print(f"step {step:5d}  loss {lv:6.3f}  tokens/s {m.tokens_per_second if m else 0:10.0f}  MFU {mfu_s}")
-        # the last window / measurement flush happens in close()
+        # flush: the last measurement, and the last profiler window if its analysis is still running
+        agent.close(timeout=30.0)
     elapsed = time.time() - t0
     info = agent.run_info
     summary = {

@@ -349,9 +349,9 @@ class ProfilerSampler:
         p["fp32_matmul"] = "tf32" if self.cuda and torch.backends.cuda.matmul.allow_tf32 else "fp32"
         return p
 
-    def close(self) -> None:
-        """Stop any window; give a running analysis up to 0.8 s to finish and deliver its window, then
-        terminate it. Blocks about 1 s at most. Never raises."""
+    def close(self, wait_seconds: float = 0.8) -> None:
+        """Stop any window; give a running analysis up to ``wait_seconds`` to finish and deliver its
+        window, then terminate it. Blocks about ``wait_seconds + 0.5`` s at most. Never raises."""
         self._stopping = True  # no new window, and a window being stopped now is not exported
         prof, self._prof = self._prof, None
         if prof is not None:
@@ -363,7 +363,7 @@ class ProfilerSampler:
             child = self._child
         if child is not None and child.poll() is None:
             try:
-                child.wait(timeout=0.8)
+                child.wait(timeout=max(0.0, wait_seconds))
             except subprocess.TimeoutExpired:
                 self._closing = True  # the waiter drops the killed child's result silently
                 try:
@@ -375,7 +375,7 @@ class ProfilerSampler:
                     except Exception:  # noqa: BLE001
                         pass
         if self._waiter is not None:
-            self._waiter.join(timeout=0.3)
+            self._waiter.join(timeout=0.3 if wait_seconds <= 0.8 else 5.0)  # parse + deliver the finished window
         self._closing = True
 
 

@@ -2,7 +2,8 @@
 
 Set-up (once for the module): Debian's ``prometheus`` on 127.0.0.1 scrapes, every second,
 
-* ``mfuwatch demo`` (a real CPU training run with the agent attached, profiler windows every
+* ``mfuwatch demo`` (a real CPU training run with the agent attached, 100 steps so windows analysed in the
+  background land while it still serves, profiler windows every
   5 steps) for the Training MFU and Cross-rank dashboards, and
 * an exporter in this process fed by the agent's NVML sampler over the fake pynvml of
   tests/helpers/fake_nvml.py (no GPU here), for the GPU health dashboard: on the CPU the demo
@@ -143,10 +144,15 @@ def stack(tmp_path_factory):
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{(tmp / 'prometheus.log').read_text()[-3000:]}") from None
         demo_dir = tmp / "demo"
+        # An alert must fire during the run so the dashboards' alert annotations have a series to find:
+        # the memory-bound rule with threshold 0 fires at the first profiler window (console notifier).
+        agent_cfg = tmp / "agent.yaml"
+        agent_cfg.write_text(yaml.safe_dump({"alerts": {"evaluation_interval": "500ms", "rules": {
+            "MemoryBoundDominant": {"threshold": 0.0, "for": "0s"}}}}))
         start = time.time()
         demo = subprocess.run(
-            [sys.executable, "-m", "mfuwatch.agent.cli", "demo", "--steps", "40", "--device", "cpu",
-             "--port", str(demo_port), "--profile-every", "5 steps", "--run", DEMO_RUN,
+            [sys.executable, "-m", "mfuwatch.agent.cli", "demo", "--steps", "100", "--device", "cpu",
+             "--port", str(demo_port), "--profile-every", "5 steps", "--run", DEMO_RUN, "--config", str(agent_cfg),
              "--timeline", str(demo_dir / "timeline.jsonl"), "--report", str(demo_dir / "report.html")],
             capture_output=True, text=True, timeout=400, cwd=tmp)
         end = time.time()
