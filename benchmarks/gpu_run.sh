@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run GPU benchmark phases in one device call: benchmarks/gpu_run.sh PHASE[:SECONDS] ...
+# Each phase's output goes to $OUT/<phase>.log (and its own files under $OUT); a failing or timed-out
+# phase does not stop the next. Install first: python3 -m pip install --no-deps --no-build-isolation -e .
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/*.whl >/dev/null 2>&1
+for spec in "$@"; do
+  phase=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=300
+  case $phase in
+    kernels)     cmd="python3 benchmarks/kernels.py" ;;
+    kernels_q)   cmd="python3 benchmarks/kernels.py --quick" ;;
+    e2e)         cmd="python3 benchmarks/kernels_e2e.py --steps 8" ;;
+    validate)    cmd="python3 benchmarks/agent_validation.py" ;;
+    profiler)    cmd="python3 benchmarks/profiler_overhead.py" ;;
+    ncu)         cmd="python3 benchmarks/ncu_agreement.py --layers 2 --timeout $((secs - 30))" ;;
+    ddp)         cmd="python3 benchmarks/ddp_validation.py --quick" ;;
+    *) echo "unknown phase $phase"; continue ;;
+  esac
+  echo "=== $phase ($cmd, limit ${secs}s) $(date +%T)"
+  timeout "$secs" $cmd > "$OUT/$phase.log" 2>&1; rc=$?
+  echo "=== $phase rc=$rc $(date +%T)"
+  tail -c 2500 "$OUT/$phase.log"
+done
+cd "$OUT" && tar czf results.tgz --exclude results.tgz . && find . -type f ! -name results.tgz -delete
