@@ -220,6 +220,39 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"{name} (environment): expected an integer, got {v!r}") from None
 
 
+def user_settings(config: Union[None, str, Path, Mapping[str, Any], AgentConfig]) -> Dict[str, Any]:
+    """The settings the user wrote, as a plain dict: a YAML file's mapping, a mapping, or an ``AgentConfig``.
+
+    ``None`` reads the file named by ``$MFUWATCH_CONFIG`` if set, else gives ``{}``.
+
+    Raises:
+        ConfigError: unreadable or malformed YAML file, or a value of another type.
+    """
+    if config is None:
+        config = os.environ.get("MFUWATCH_CONFIG") or None
+    if config is None:
+        return {}
+    if isinstance(config, AgentConfig):
+        d = dataclasses.asdict(config)
+        d["model_shape"] = config.model_shape  # keep the dataclasses, not their dict forms
+        d["profile_every"] = config.profile_every
+        return d
+    if isinstance(config, Mapping):
+        return dict(config)
+    if not isinstance(config, (str, Path)):
+        raise ConfigError(f"config: expected a path, a mapping or an AgentConfig, got {type(config).__name__}")
+    path = Path(config)
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {path} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"config: {path} must hold a mapping of settings, got {type(loaded).__name__}")
+    return dict(loaded)
+
+
 def load_config(config: Union[None, str, Path, Mapping[str, Any], AgentConfig] = None, **overrides: Any) -> AgentConfig:
     """Build a validated :class:`AgentConfig`.
 
@@ -237,28 +270,7 @@ def load_config(config: Union[None, str, Path, Mapping[str, Any], AgentConfig] =
         "local_rank": _env_int("LOCAL_RANK", 0),
         "world_size": _env_int("WORLD_SIZE", 1),
     }
-    if config is None and os.environ.get("MFUWATCH_CONFIG"):
-        config = os.environ["MFUWATCH_CONFIG"]
-    if isinstance(config, AgentConfig):
-        data.update(dataclasses.asdict(config))
-        if config.model_shape is not None:
-            data["model_shape"] = config.model_shape
-        data["profile_every"] = config.profile_every
-    elif isinstance(config, (str, Path)):
-        path = Path(config)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config: {path} is not valid YAML: {exc}") from None
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"config: {path} must hold a mapping of settings, got {type(loaded).__name__}")
-        data.update(loaded)
-    elif isinstance(config, Mapping):
-        data.update(config)
-    elif config is not None:
-        raise ConfigError(f"config: expected a path, a mapping or an AgentConfig, got {type(config).__name__}")
+    data.update(user_settings(config))
     data.update(overrides)
     for key in data:
         if key not in _FIELDS:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Dict, Mapping, Union
 
 log = logging.getLogger("mfuwatch")
@@ -36,36 +34,10 @@ FRAMEWORK_KEYS = ("run", "rank", "local_rank", "world_size", "dtype", "model_sha
 
 
 def user_settings(config: ConfigLike) -> Dict[str, Any]:
-    """The settings the user wrote: a YAML file's mapping, a dict, or an ``AgentConfig`` as a dict.
+    """The settings the user wrote (see :func:`mfuwatch.agent.config.user_settings`)."""
+    from ..config import user_settings as _user_settings
 
-    ``None`` reads ``$MFUWATCH_CONFIG`` if set. Raises
-    :class:`~mfuwatch.agent.config.ConfigError` for an unreadable or malformed file.
-    """
-    from ..config import AgentConfig, ConfigError
-
-    if config is None:
-        config = os.environ.get("MFUWATCH_CONFIG") or None
-    if config is None:
-        return {}
-    if isinstance(config, AgentConfig):
-        d = asdict(config)
-        d["profile_every"] = config.profile_every
-        d["model_shape"] = config.model_shape
-        return d
-    if isinstance(config, Mapping):
-        return dict(config)
-    import yaml
-
-    path = Path(config)
-    try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"config: cannot read {path}: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config: {path} is not valid YAML: {exc}") from None
-    if not isinstance(loaded, Mapping):
-        raise ConfigError(f"config: {path} must hold a mapping of settings, got {type(loaded).__name__}")
-    return dict(loaded)
+    return _user_settings(config)
 
 
 def build_config(config: ConfigLike, overrides: Mapping[str, Any], framework: Mapping[str, Any]) -> Any:
