@@ -51,9 +51,26 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def device_guard(t: torch.Tensor):
     """A context that makes ``t``'s CUDA device current (a no-op when it already is)."""
-    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+    if needs_device_switch(t):
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def needs_device_switch(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a CUDA device other than the current one (one index comparison).
+
+    The launchers call this on every launch and enter :func:`device_guard`'s
+    context only when it is True, so the usual case costs no context manager.
+    """
+    if not t.is_cuda:
+        return False
+    idx = t.get_device()
+    return idx >= 0 and idx != torch.cuda.current_device()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints (plain Python: ``triton.cdiv`` costs microseconds per call)."""
+    return -(-a // b)
 
 
 def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
@@ -69,6 +86,8 @@ def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
     """
     if n <= 0 or t.numel() % n != 0:
         raise ValueError(f"cannot view a tensor of shape {tuple(t.shape)} as rows of {n} elements")
+    if t.is_contiguous():  # the common case: one view, row stride n
+        return t.view(-1, n), n
     if t.dim() >= 1 and t.shape[-1] == n and (t.stride(-1) == 1 or n == 1):
         try:
             v = t.view(-1, n)
@@ -81,6 +100,21 @@ def as_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
     if v.shape[0] <= 1:
         return v, n  # a single row: any stride is as good as n
     return v, v.stride(0)
+
+
+def kernel_rows(t: torch.Tensor, n: int) -> Tuple[torch.Tensor, int]:
+    """What a row kernel is handed for ``t``: ``t`` itself with row stride ``n`` when contiguous, else :func:`as_rows`.
+
+    The kernels address memory as ``pointer + row * stride + column`` and never
+    look at a tensor's shape, so a contiguous tensor needs no ``(rows, n)`` view
+    (a view costs about a microsecond of host time per tensor per call).
+    Raises ValueError as :func:`as_rows` when ``t.numel()`` is not a multiple of ``n``.
+    """
+    if t.is_contiguous():
+        if n <= 0 or t.numel() % n != 0:
+            raise ValueError(f"cannot view a tensor of shape {tuple(t.shape)} as rows of {n} elements")
+        return t, n
+    return as_rows(t, n)
 
 
 def sm_count(device: torch.device) -> int:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, device_guard, row_bucket, tuned, use_triton
+from ._common import as_rows, cdiv, device_guard, row_bucket, tuned, use_triton
 
 #: Activation codes (constexpr in the kernels).
 SILU, GELU, GELU_TANH = 0, 1, 2
@@ -153,7 +153,7 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tens
     [(g2, sg), (u2, su)], rows, n = _rows(gate, up)
 
     def launch(c):
-        ncb = triton.cdiv(n, c[0])
+        ncb = cdiv(n, c[0])
         _glu_fwd_elementwise[(rows * ncb,)](g2, u2, y, sg, su, n, ncb, ACT=act, BLOCK=c[0], num_warps=c[1])
 
     with device_guard(gate):
@@ -181,7 +181,7 @@ def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: 
     [(dy2, sdy), (g2, sg), (u2, su)], rows, n = _rows(dy, gate, up)
 
     def launch(c):
-        ncb = triton.cdiv(n, c[0])
+        ncb = cdiv(n, c[0])
         _glu_bwd_elementwise[(rows * ncb,)](dy2, g2, u2, dg, du, sdy, sg, su, n, ncb, ACT=act, BLOCK=c[0], num_warps=c[1])
 
     with device_guard(gate):

@@ -10,29 +10,20 @@ weight/bias partial sums. CPU tensors without the Triton interpreter take
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+from typing import Dict, Optional, Tuple
 
 import torch
-import triton
 
-from ._common import as_rows, device_guard, pow2_at_least, row_bucket, sm_count, tuned, use_triton
-from ._norm_triton import (_norm_bwd_fused, _norm_bwd_looped, _norm_fwd_fused, _norm_fwd_looped,
-                           _norm_sum_partials)
+from ._common import (MIN_TUNE_ELEMENTS, as_rows, cdiv, kernel_rows, needs_device_switch, pow2_at_least, row_bucket, sm_count,
+                      tuned, use_triton)
+from ._norm_triton import _norm_bwd_fused, _norm_bwd_looped, _norm_fwd_fused, _norm_fwd_looped
 
 #: Widest row (elements) kept in registers by the forward / backward; wider rows loop.
 FWD_MAX_FUSED = 32768
 BWD_MAX_FUSED = 16384
 #: Chunk width (elements) of the looped kernels.
 LOOP_BLOCK = 4096
-
-
-def _reduce_partials(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of the fp32 partials ``part`` (programs, N), returned as (N,) in ``dtype``."""
-    p, n = part.shape
-    out = torch.empty(n, dtype=dtype, device=part.device)
-    block_n = min(32, pow2_at_least(n))  # 128-byte row segments: coalesced, and n/32 programs
-    _norm_sum_partials[(triton.cdiv(n, block_n),)](part, out, p, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4)
-    return out
 
 
 def _fwd_candidates(block_n: int):
@@ -67,6 +58,13 @@ def _bwd_candidates(block_n: int):
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _check_param(name: str, p: torch.Tensor, n: int, device: torch.device) -> None:
+    """ValueError unless the weight/bias ``p`` has ``n`` elements, a supported dtype, and is on ``device``."""
+    if p.numel() != n:
+        raise ValueError(f"{name} has {p.numel()} elements, expected {n} (the normalised size)")
+    _check_dtype(name, p, device)
+
+
 def _check_dtype(name: str, t: torch.Tensor, device: Optional[torch.device] = None) -> None:
     """ValueError unless ``t`` is fp32/fp16/bf16 (and on ``device``): the kernels compute in fp32."""
     if t.dtype not in _DTYPES:
@@ -93,48 +91,141 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
         ValueError: shapes that do not match (both sizes are printed), a dtype other
         than fp32/fp16/bf16, or tensors on different devices.
     """
+    # Every line here runs once per call: at small shapes the host time of this function is the
+    # op's time, so checks are cheap comparisons and launch settings one dict lookup.
     _check_dtype("input", x)
+    dev = x.device
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
-        _check_dtype("residual", residual, x.device)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            if p.numel() != n:
-                raise ValueError(f"{name} has {p.numel()} elements, expected {n} (the normalised size)")
-            _check_dtype(name, p, x.device)
-    x2, sx = as_rows(x, n)
-    rows = x2.shape[0]
-    s_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+        _check_dtype("residual", residual, dev)
+    if weight is not None:
+        _check_param("weight", weight, n, dev)
+    if bias is not None:
+        _check_param("bias", bias, n, dev)
+    if n <= 0 or x.numel() % n:
+        as_rows(x, n)  # raises the ValueError naming the shape
+    rows = x.numel() // n
+    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y_dtype = torch.promote_types(s_dtype, weight.dtype) if (llama_cast and weight is not None) else s_dtype
-    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
-    s = torch.empty(x.shape, dtype=s_dtype, device=x.device) if residual is not None else None
-    mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    y = torch.empty(x.shape, dtype=y_dtype, device=dev)
+    s = torch.empty(x.shape, dtype=s_dtype, device=dev) if residual is not None else None
+    mean = None if is_rms else torch.empty(rows, dtype=torch.float32, device=dev)
+    rstd = torch.empty(rows, dtype=torch.float32, device=dev)
     if rows == 0:
         return y, s, mean, rstd
     if not use_triton(x):
-        return _torch_fwd(x2, residual, weight, bias, n, eps, offset, is_rms, llama_cast, y, s, mean, rstd)
-    r2, sr = as_rows(residual, n) if residual is not None else (x2, sx)
-    y2 = y.view(rows, n)
-    s2 = s.view(rows, n) if s is not None else y2
-    w = weight.reshape(n) if weight is not None else x2
-    b = bias.reshape(n) if bias is not None else x2
+        return _torch_fwd(as_rows(x, n)[0], residual, weight, bias, n, eps, offset, is_rms, llama_cast, y, s, mean,
+                          rstd)
+    x2, sx = kernel_rows(x, n)  # y and s are new contiguous tensors: handed over as they are, row stride n
+    r2, sr = kernel_rows(residual, n) if residual is not None else (x2, sx)
+    y2 = y
+    s2 = s if s is not None else y
+    w = _vec(weight, n) if weight is not None else x2
+    b = _vec(bias, n) if bias is not None else x2
     args = (x2, r2, w, b, y2, s2, mean if mean is not None else rstd, rstd, sx, sr, n, n, rows, n, eps, offset)
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None,
-                 HAS_RES=residual is not None, LLAMA_CAST=llama_cast)
-    with device_guard(x):
-        if n > FWD_MAX_FUSED:
-            _norm_fwd_looped[(rows,)](*args, **flags, BLOCK_N=LOOP_BLOCK, num_warps=8)
+    has_w, has_b, has_res = weight is not None, bias is not None, residual is not None
+    if n > FWD_MAX_FUSED:
+        if needs_device_switch(x):
+            with torch.cuda.device(dev):
+                _launch_fwd_looped(rows, args, is_rms, has_w, has_b, has_res, llama_cast)
         else:
-            block_n = pow2_at_least(n)
+            _launch_fwd_looped(rows, args, is_rms, has_w, has_b, has_res, llama_cast)
+        return y, s, mean, rstd
+    block_n = pow2_at_least(n)
+    key = (dev.index, n, x.dtype, y_dtype, is_rms, has_w, has_b, has_res, llama_cast, row_bucket(rows),
+           rows * n >= MIN_TUNE_ELEMENTS)
+    switch = needs_device_switch(x)
+    c = _FWD_SETTINGS.get(key)
+    if c is None:
+        flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res, LLAMA_CAST=llama_cast)
 
-            def launch(c):
-                _norm_fwd_fused[(triton.cdiv(rows, c[0]),)](*args, **flags, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
+        def launch(c):
+            _norm_fwd_fused[(cdiv(rows, c[0]),)](*args, **flags, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
 
-            launch(tuned("norm_fwd", x.device, (n, x.dtype, y_dtype, tuple(flags.values()), row_bucket(rows)),
-                         lambda: _fwd_candidates(block_n), launch, rows * n))
+        with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
+            c = tuned("norm_fwd", dev, (n, x.dtype, y_dtype, tuple(flags.values()), row_bucket(rows)),
+                      lambda: _fwd_candidates(block_n), launch, rows * n)
+        if not _capturing(x):
+            _FWD_SETTINGS[key] = c
+    if switch:
+        with torch.cuda.device(dev):
+            _norm_fwd_fused[(cdiv(rows, c[0]),)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res,
+                                                 LLAMA_CAST=llama_cast, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
+    else:
+        _norm_fwd_fused[(cdiv(rows, c[0]),)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res,
+                                             LLAMA_CAST=llama_cast, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
     return y, s, mean, rstd
+
+
+def _launch_fwd_looped(rows, args, is_rms, has_w, has_b, has_res, llama_cast):
+    _norm_fwd_looped[(rows,)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res,
+                              LLAMA_CAST=llama_cast, BLOCK_N=LOOP_BLOCK, num_warps=8)
+
+
+def _vec(p: torch.Tensor, n: int) -> torch.Tensor:
+    """A weight/bias as ``(n,)`` with unit stride (the kernels read ``W + cols``)."""
+    v = p.reshape(n)
+    return v if v.stride(0) == 1 or n == 1 else v.contiguous()
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """True during CUDA-graph capture (the tuner then returns its default untimed: not cached)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+#: Launch settings by cheap key, filled on first use: a cache hit is one dict lookup.
+_FWD_SETTINGS: Dict[tuple, Tuple[int, int]] = {}
+_BWD_SETTINGS: Dict[tuple, Tuple[int, int]] = {}
+
+
+def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w, has_b, is_rms, has_dres,
+                llama_cast, offset, looped, n_sm, c):
+    """One backward launch with setting ``c``: dx into ``dx2``; returns the fp32 partials or None.
+
+    The partial sums of dw and db share one buffer, ``(2, programs, N)`` with both
+    (``(programs, N)`` with one), so that one reduction serves both.
+    """
+    rpp = cdiv(rows, min(rows, c[0] * n_sm))
+    grid = cdiv(rows, rpp)
+    nparts = has_w + has_b
+    part = dw_part = db_part = None
+    if nparts:
+        shape = (grid, n) if nparts == 1 else (2, grid, n)
+        part = (torch.zeros if looped else torch.empty)(shape, dtype=torch.float32, device=x2.device)
+        if nparts == 1:
+            dw_part = db_part = part
+        else:
+            dw_part, db_part = part[0], part[1]
+    else:
+        dw_part = db_part = dx2
+    args = (dy2, x2, w, mean, rstd, dres2, dx2, dw_part, db_part, sdy, sx, sdr, n, rows, n, rpp, offset)
+    if looped:
+        _norm_bwd_looped[(grid,)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres,
+                                  LLAMA_CAST=llama_cast, BLOCK_N=LOOP_BLOCK, num_warps=8)
+    else:
+        _norm_bwd_fused[(grid,)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres,
+                                 LLAMA_CAST=llama_cast, BLOCK_N=pow2_at_least(n), num_warps=c[1])
+    return part
+
+
+def _sum_rows(part: torch.Tensor, p_dtype: torch.dtype) -> torch.Tensor:
+    """Column sums of fp32 partials ``(programs, N)``, summed in fp32, returned as ``(N,)`` in ``p_dtype``."""
+    red = part.sum(0)
+    return red if p_dtype == torch.float32 else red.to(p_dtype)
+
+
+def _reduce(part: Optional[torch.Tensor], p_dtype: torch.dtype):
+    """The partials' sums: None, one ``(N,)`` tensor, or a pair (dw, db) with separate storage.
+
+    dw and db must not share storage: the custom ops may not return aliases, and
+    parameters' gradients are expected to be independent tensors.
+    """
+    if part is None:
+        return None
+    if part.dim() == 2:
+        return _sum_rows(part, p_dtype)
+    return _sum_rows(part[0], p_dtype), _sum_rows(part[1], p_dtype)
 
 
 def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool,
@@ -155,51 +246,58 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
     """
     if dy.shape != xs.shape:
         raise ValueError(f"gradient shape {tuple(dy.shape)} != input shape {tuple(xs.shape)}")
-    _check_dtype("gradient", dy, xs.device)
-    x2, sx = as_rows(xs, n)
-    rows = x2.shape[0]
-    dx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device)
+    dev = xs.device
+    _check_dtype("gradient", dy, dev)
+    if n <= 0 or xs.numel() % n:
+        as_rows(xs, n)  # raises the ValueError naming the shape
+    rows = xs.numel() // n
+    dx = torch.empty(xs.shape, dtype=xs.dtype, device=dev)
     p_dtype = weight.dtype if weight is not None else xs.dtype
     if rows == 0:
-        dw = torch.zeros(weight.shape, dtype=p_dtype, device=xs.device) if weight is not None else None
-        db = torch.zeros(n, dtype=p_dtype, device=xs.device) if has_bias else None
+        dw = torch.zeros(weight.shape, dtype=p_dtype, device=dev) if weight is not None else None
+        db = torch.zeros(n, dtype=p_dtype, device=dev) if has_bias else None
         return dx, dw, db
-    dy2, sdy = as_rows(dy, n)
     if not use_triton(xs):
-        return _torch_bwd(dy2, x2, weight, has_bias, mean, rstd, dres, n, offset, is_rms, llama_cast, dx)
-    dres2, sdr = as_rows(dres, n) if dres is not None else (dy2, sdy)
-    dx2 = dx.view(rows, n)
-    w = weight.reshape(n) if weight is not None else x2
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=has_bias, HAS_DRES=dres is not None,
-                 LLAMA_CAST=llama_cast)
+        return _torch_bwd(as_rows(dy, n)[0], as_rows(xs, n)[0], weight, has_bias, mean, rstd, dres, n, offset,
+                          is_rms, llama_cast, dx)
+    x2, sx = kernel_rows(xs, n)
+    dy2, sdy = kernel_rows(dy, n)
+    dres2, sdr = kernel_rows(dres, n) if dres is not None else (dy2, sdy)
+    has_w = weight is not None
+    bargs = (dy2, x2, _vec(weight, n) if has_w else x2, mean if mean is not None else rstd, rstd, dres2,
+             dx, sdy, sx, sdr, n, rows, has_w, has_bias, is_rms, dres is not None, llama_cast, offset)
     looped = n > BWD_MAX_FUSED
-    alloc = torch.zeros if looped else torch.empty
-    n_sm = sm_count(xs.device)
+    n_sm = sm_count(dev)
+    switch = needs_device_switch(xs)
+    if looped:
+        c = (4, 8)
+    else:
+        key = (dev.index, n, xs.dtype, p_dtype, is_rms, has_w, has_bias, dres is not None, llama_cast,
+               row_bucket(rows), rows * n >= MIN_TUNE_ELEMENTS)
+        c = _BWD_SETTINGS.get(key)
+        if c is None:
+            def launch(c):  # the reduction of the partials is part of what a setting costs
+                return _reduce(_bwd_launch(*bargs, False, n_sm, c), p_dtype)
 
-    def launch(c):
-        rpp = triton.cdiv(rows, min(rows, c[0] * n_sm))
-        grid = triton.cdiv(rows, rpp)
-        dw_part = alloc((grid, n), dtype=torch.float32, device=xs.device) if weight is not None else dx2
-        db_part = alloc((grid, n), dtype=torch.float32, device=xs.device) if has_bias else dx2
-        args = (dy2, x2, w, mean if mean is not None else rstd, rstd, dres2, dx2, dw_part, db_part,
-                sdy, sx, sdr, n, rows, n, rpp, offset)
-        if looped:
-            _norm_bwd_looped[(grid,)](*args, **flags, BLOCK_N=LOOP_BLOCK, num_warps=8)
-        else:
-            _norm_bwd_fused[(grid,)](*args, **flags, BLOCK_N=pow2_at_least(n), num_warps=c[1])
-        # the reduction of the partials is part of what a setting costs (more programs, more partials)
-        dw = _reduce_partials(dw_part, p_dtype).view(weight.shape) if weight is not None else None
-        db = _reduce_partials(db_part, p_dtype) if has_bias else None
-        return dw, db
-
-    with device_guard(xs):
-        if looped:
-            cfg = (4, 8)
-        else:
-            cfg = tuned("norm_bwd", xs.device, (n, xs.dtype, tuple(flags.values()), row_bucket(rows)),
-                        lambda: _bwd_candidates(pow2_at_least(n)), launch, rows * n)
-        dw, db = launch(cfg)
-    return dx, dw, db
+            flags = (is_rms, has_w, has_bias, dres is not None, llama_cast)
+            with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
+                c = tuned("norm_bwd", dev, (n, xs.dtype, flags, row_bucket(rows)),
+                          lambda: _bwd_candidates(pow2_at_least(n)), launch, rows * n)
+            if not _capturing(xs):
+                _BWD_SETTINGS[key] = c
+    if switch:
+        with torch.cuda.device(dev):
+            red = _reduce(_bwd_launch(*bargs, looped, n_sm, c), p_dtype)
+    else:
+        red = _reduce(_bwd_launch(*bargs, looped, n_sm, c), p_dtype)
+    if red is None:
+        return dx, None, None
+    if has_w and has_bias:
+        dw, db = red
+        return dx, (dw if weight.dim() == 1 else dw.view(weight.shape)), db
+    if has_w:
+        return dx, (red if weight.dim() == 1 else red.view(weight.shape)), None
+    return dx, None, red
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,8 @@ Layout of the work:
   two >= N, masked); the forward takes ``ROWS`` rows per program (small N),
   the backward loops over a contiguous chunk of rows per program and keeps
   fp32 partial sums of ``dw``/``db`` in registers, written once per program
-  as a row of a ``(programs, N)`` buffer that :func:`_norm_sum_partials` reduces;
+  as a row of a ``(programs, N)`` buffer that the launcher sums over programs
+  (one fp32 ``torch.sum``: cheaper on the host than a second Triton launch);
 * *looped* kernels handle rows wider than the register budget
   (``_norm_launch.FWD_MAX_FUSED``/``BWD_MAX_FUSED``) by walking the row in ``LOOP_BLOCK``
   chunks: two or three passes, the extra passes served mostly from L2.
@@ -260,16 +261,3 @@ def _norm_bwd_looped(
                 dx += tl.load(DRES + row * stride_dres + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
         tl.debug_barrier()  # the next row re-reads the partial rows this one wrote
-
-
-@triton.jit
-def _norm_sum_partials(PART, OUT, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """OUT[c] = sum_p PART[p, c] in fp32, stored in OUT's dtype. PART: (P, N) fp32, OUT: (N,)."""
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        rows = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
-        acc += tl.load(PART + rows[:, None] * N + cols[None, :],
-                       mask=(rows < P)[:, None] & cmask[None, :], other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=cmask)

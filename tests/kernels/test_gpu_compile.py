@@ -43,7 +43,6 @@ SCRIPT = textwrap.dedent(
         bflags = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=has_b, HAS_DRES=res, LLAMA_CAST=llama)
         comp(K._norm_bwd_fused, bwd, dict(bflags, BLOCK_N=4096), 16)
         comp(K._norm_bwd_looped, bwd, dict(bflags, BLOCK_N=4096), 8)
-        comp(K._norm_sum_partials, dict(PART="*fp32", OUT=p, P="i32", N="i32"), dict(BLOCK_P=64, BLOCK_N=32), 4)
         for act in (G.SILU, G.GELU, G.GELU_TANH):
             comp(G._glu_fwd_elementwise, dict(G=p, U=p, Y=p, stride_g="i32", stride_u="i32", N="i64",
                                              n_col_blocks="i32"), dict(ACT=act, BLOCK=1024), 4)
@@ -63,4 +62,4 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
-    assert proc.stdout.strip().endswith("compiled 33"), proc.stdout
+    assert proc.stdout.strip().endswith("compiled 30"), proc.stdout
