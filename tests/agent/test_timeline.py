@@ -28,7 +28,9 @@ def test_torn_last_line_skipped_but_middle_garbage_fails(tmp_path):
         list(read_timeline(p))
 
 
-def test_none_path_is_noop():
+def test_none_path_is_noop(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     tl = Timeline(None)
     tl.write({"kind": "step"})
     tl.close()
+    assert tl.path is None and list(tmp_path.iterdir()) == []  # nothing written anywhere

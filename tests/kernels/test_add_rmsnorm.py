@@ -17,7 +17,7 @@ def ref_add_rms_norm(x, r, w, eps, offset=0.0):
     return (y if w is None else y * (w.double() + offset)), h
 
 
-def run_and_check(x, r, w, dtype, gen, use_residual_grad=True, offset=0.0):
+def assert_matches_float64(x, r, w, dtype, gen, use_residual_grad=True, offset=0.0):
     x, r = x.to(DEVICE).detach().requires_grad_(), r.to(DEVICE).detach().requires_grad_()
     w = w.to(DEVICE).detach().requires_grad_() if w is not None else None
     y, h = add_rms_norm(x, r, w, 1e-6, offset)
@@ -42,13 +42,13 @@ def test_forward_backward_match_float64(shape, dtype, gen):
     x = torch.randn(*shape, generator=gen).to(dtype)
     r = torch.randn(*shape, generator=gen).to(dtype)
     w = (1.0 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
-    run_and_check(x, r, w, dtype, gen)
+    assert_matches_float64(x, r, w, dtype, gen)
 
 
 def test_unused_new_residual_and_gemma_offset(gen):
     x = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
     r = torch.randn(4, 96, generator=gen).to(torch.bfloat16)
-    run_and_check(x, r, (0.1 * torch.randn(96, generator=gen)).to(torch.bfloat16), torch.bfloat16, gen,
+    assert_matches_float64(x, r, (0.1 * torch.randn(96, generator=gen)).to(torch.bfloat16), torch.bfloat16, gen,
                   use_residual_grad=False, offset=1.0)
 
 
@@ -67,7 +67,7 @@ def test_transposed_inputs_and_wide_rows(monkeypatch, gen):
     monkeypatch.setattr(_norm_launch, "LOOP_BLOCK", 64)
     x = torch.randn(200, 21, generator=gen).t()
     r = torch.randn(21, 200, generator=gen)
-    run_and_check(x, r, 1.0 + 0.1 * torch.randn(200, generator=gen), torch.float32, gen)
+    assert_matches_float64(x, r, 1.0 + 0.1 * torch.randn(200, generator=gen), torch.float32, gen)
 
 
 def test_custom_op_path_equals_fast_path(monkeypatch, gen):

@@ -29,7 +29,7 @@ def fused(kind, gate, up):
     return swiglu(gate, up) if kind == "silu" else geglu(gate, up, approximate=kind)
 
 
-def run_and_check(kind, gate, up, dtype, gen):
+def assert_matches_float64(kind, gate, up, dtype, gen):
     gate, up = gate.to(DEVICE).detach().requires_grad_(), up.to(DEVICE).detach().requires_grad_()
     y = fused(kind, gate, up)
     assert y.shape == gate.shape and y.dtype == dtype
@@ -49,7 +49,7 @@ def run_and_check(kind, gate, up, dtype, gen):
 def test_forward_backward_match_float64(shape, kind, dtype, gen):
     gate = (3.0 * torch.randn(*shape, generator=gen)).to(dtype)  # wide range: both tails of the activation
     up = torch.randn(*shape, generator=gen).to(dtype)
-    run_and_check(kind, gate, up, dtype, gen)
+    assert_matches_float64(kind, gate, up, dtype, gen)
 
 
 @pytest.mark.parametrize("kind", ["silu", "tanh"])
@@ -58,9 +58,9 @@ def test_strided_halves_of_a_fused_projection(kind, gen):
     h = torch.randn(7, 2 * 48, generator=gen)
     gate, up = h.chunk(2, dim=-1)
     assert not gate.is_contiguous()
-    run_and_check(kind, gate, up, torch.float32, gen)
+    assert_matches_float64(kind, gate, up, torch.float32, gen)
     # and a transposed gate (last-dim stride != 1) is copied, not misread
-    run_and_check(kind, torch.randn(48, 7, generator=gen).t(), torch.randn(7, 48, generator=gen),
+    assert_matches_float64(kind, torch.randn(48, 7, generator=gen).t(), torch.randn(7, 48, generator=gen),
                   torch.float32, gen)
 
 
@@ -68,7 +68,7 @@ def test_large_magnitudes_stay_finite(gen):
     gate = torch.tensor([[-80.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 80.0, 300.0]]).to(torch.bfloat16)
     up = torch.ones_like(gate)
     for kind in ("silu", "none", "tanh"):
-        run_and_check(kind, gate, up, torch.bfloat16, gen)
+        assert_matches_float64(kind, gate, up, torch.bfloat16, gen)
 
 
 def test_custom_op_path_equals_fast_path(monkeypatch, gen):

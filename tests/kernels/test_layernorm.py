@@ -26,7 +26,7 @@ def ref_layer_norm(x, n_dims, w, b, eps):
     return y
 
 
-def run_and_check(x, shape, w, b, dtype, gen, eps=1e-5):
+def assert_matches_float64(x, shape, w, b, dtype, gen, eps=1e-5):
     x = x.to(DEVICE).detach().requires_grad_()
     w = w.to(DEVICE).detach().requires_grad_() if w is not None else None
     b = b.to(DEVICE).detach().requires_grad_() if b is not None else None
@@ -55,7 +55,7 @@ def test_forward_backward_match_float64(shape, dtype, gen):
     n = shape[-1]
     w = (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
     b = (0.1 * torch.randn(n, generator=gen)).to(dtype)
-    run_and_check(x, (n,), w, b, dtype, gen)
+    assert_matches_float64(x, (n,), w, b, dtype, gen)
 
 
 @pytest.mark.parametrize("affine", ["none", "weight_only", "both"])
@@ -63,12 +63,12 @@ def test_affine_variants_and_transposed_input(affine, gen):
     x = torch.randn(48, 6, generator=gen).t()  # (6, 48) with last-dim stride 6: copied, not misread
     w = 1.0 + 0.1 * torch.randn(48, generator=gen) if affine != "none" else None
     b = 0.1 * torch.randn(48, generator=gen) if affine == "both" else None
-    run_and_check(x, 48, w, b, torch.float32, gen)
+    assert_matches_float64(x, 48, w, b, torch.float32, gen)
 
 
 def test_multi_dim_normalized_shape(gen):
     x = torch.randn(3, 4, 8, generator=gen)
-    run_and_check(x, (4, 8), torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen),
+    assert_matches_float64(x, (4, 8), torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen),
                   torch.float32, gen)
 
 
@@ -80,7 +80,7 @@ def test_looped_path_for_wide_rows(monkeypatch, dtype, gen):
     x = (torch.randn(21, 300, generator=gen) + 5.0).to(dtype)
     w = (1.0 + 0.1 * torch.randn(300, generator=gen)).to(dtype)
     b = (0.1 * torch.randn(300, generator=gen)).to(dtype)
-    run_and_check(x, (300,), w, b, dtype, gen)
+    assert_matches_float64(x, (300,), w, b, dtype, gen)
 
 
 def test_bf16_rows_with_large_outliers(gen):
@@ -89,7 +89,7 @@ def test_bf16_rows_with_large_outliers(gen):
     x[3, 900] = -5.0e4
     x = x.to(torch.bfloat16)
     w = (1.0 + 0.1 * torch.randn(1536, generator=gen)).to(torch.bfloat16)
-    run_and_check(x, (1536,), w, torch.zeros(1536, dtype=torch.bfloat16), torch.bfloat16, gen)
+    assert_matches_float64(x, (1536,), w, torch.zeros(1536, dtype=torch.bfloat16), torch.bfloat16, gen)
 
 
 def test_custom_op_path_equals_fast_path(monkeypatch, gen):

@@ -32,7 +32,7 @@ def make_input(kind, dtype, gen):
 SHAPES = [(0, 64), (1, 64), (5, 17), (3, 1536), (2, 5120), (2, 3, 40), (70, 24), "transposed", "sliced"]
 
 
-def run_and_check(x, w, dtype, eps=1e-6, offset=0.0, casting="auto", gen=None, scale=1.0):
+def assert_matches_float64(x, w, dtype, eps=1e-6, offset=0.0, casting="auto", gen=None, scale=1.0):
     x = x.to(DEVICE).detach().requires_grad_()
     w = w.to(DEVICE).detach().requires_grad_() if w is not None else None
     y = rms_norm(x, w, eps, offset, casting=casting)
@@ -57,13 +57,13 @@ def run_and_check(x, w, dtype, eps=1e-6, offset=0.0, casting="auto", gen=None, s
 def test_forward_backward_match_float64(kind, dtype, gen):
     x = make_input(kind, dtype, gen)
     w = (1.0 + 0.1 * torch.randn(x.shape[-1], generator=gen)).to(dtype)
-    y = run_and_check(x, w, dtype, gen=gen)
+    y = assert_matches_float64(x, w, dtype, gen=gen)
     assert y.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_without_weight(dtype, gen):
-    run_and_check(torch.randn(4, 48, generator=gen).to(dtype), None, dtype, eps=1e-5, gen=gen)
+    assert_matches_float64(torch.randn(4, 48, generator=gen).to(dtype), None, dtype, eps=1e-5, gen=gen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -71,7 +71,7 @@ def test_gemma_offset(dtype, gen):
     # Gemma stores w around 0 and scales by (1 + w) formed in fp32; the result keeps x's dtype.
     x = torch.randn(3, 96, generator=gen).to(dtype)
     w = (0.1 * torch.randn(96, generator=gen)).to(dtype)
-    y = run_and_check(x, w, dtype, offset=1.0, gen=gen)
+    y = assert_matches_float64(x, w, dtype, offset=1.0, gen=gen)
     assert y.dtype == dtype
     # with w = 0 the output is xhat, not 0: the offset is really applied
     z = rms_norm(x.to(DEVICE), torch.zeros(96, dtype=dtype, device=DEVICE), 1e-6, offset=1.0)
@@ -100,7 +100,7 @@ def test_bf16_rows_with_large_outliers(gen):
     x[2] *= 1e-3
     x = x.to(torch.bfloat16)
     w = (1.0 + 0.1 * torch.randn(1536, generator=gen)).to(torch.bfloat16)
-    run_and_check(x, w, torch.bfloat16, gen=gen)
+    assert_matches_float64(x, w, torch.bfloat16, gen=gen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -113,7 +113,7 @@ def test_looped_path_for_wide_rows(monkeypatch, n, dtype, gen):
     monkeypatch.setattr(_norm_launch, "LOOP_BLOCK", 64)
     x = torch.randn(21, n, generator=gen).to(dtype)  # more rows than programs: rows share a dw partial
     w = (1.0 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
-    run_and_check(x, w, dtype, gen=gen)
+    assert_matches_float64(x, w, dtype, gen=gen)
 
 
 def test_more_than_65536_rows_forward(gen):
@@ -145,7 +145,7 @@ def test_cpu_fallback_without_triton(monkeypatch, gen):
     monkeypatch.setattr(_common, "INTERPRET", False)
     x = torch.randn(3, 33, generator=gen)
     assert not _common.use_triton(x)
-    run_and_check(x, 1.0 + 0.1 * torch.randn(33, generator=gen), torch.float32, gen=gen)
+    assert_matches_float64(x, 1.0 + 0.1 * torch.randn(33, generator=gen), torch.float32, gen=gen)
 
 
 def test_module_matches_torch_rmsnorm(gen):
