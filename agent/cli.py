@@ -33,6 +33,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"mfuwatch {version('mfuwatch')}")
+        except PackageNotFoundError:
+            print("mfuwatch (not installed as a package)")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
         print(f"mfuwatch: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)

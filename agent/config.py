@@ -112,6 +112,8 @@ def parse_profile_every(value: Any) -> ProfileEvery:
         return ProfileEvery()
     if isinstance(value, bool):
         raise ConfigError("profile_every: expected e.g. '500 steps', '300s', '5 min' or 'off', got True")
+    if isinstance(value, str) and value.strip().isdigit():  # "500" from a command line: steps
+        value = int(value)
     if isinstance(value, int) and value > 0:
         return ProfileEvery(steps=value)
     if isinstance(value, str):
@@ -147,6 +149,14 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"port: expected 0..65535 (0 = any free port), got {cfg.port}")
     _check_type("bind", cfg.bind, (str,), "an address such as '127.0.0.1' or '0.0.0.0'")
+    if cfg.exporter:
+        import socket
+
+        try:
+            socket.getaddrinfo(cfg.bind, None)
+        except OSError:
+            raise ConfigError(f"bind: cannot resolve {cfg.bind!r}; expected an address such as '127.0.0.1', "
+                              "'0.0.0.0' or a host name of this machine") from None
     if (cfg.tls_certfile is None) != (cfg.tls_keyfile is None):
         raise ConfigError("tls_certfile / tls_keyfile: give both or neither")
     for name in ("tls_certfile", "tls_keyfile"):
@@ -165,7 +175,12 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     for name in ("flops_per_step", "hardware_flops_per_step", "peak_flops"):
         v = getattr(cfg, name)
         if v is not None:
-            _check_type(name, v, (int, float), "a positive number or null")
+            if isinstance(v, str):  # YAML 1.1 reads "1e12" (no dot) as a string
+                try:
+                    v = float(v)
+                except ValueError:
+                    pass
+            _check_type(name, v, (int, float), "a positive number or null (e.g. 1.0e12)")
             if not v > 0:
                 raise ConfigError(f"{name}: expected a positive number or null, got {v}")
             setattr(cfg, name, float(v))
@@ -250,7 +265,12 @@ def user_settings(config: Union[None, str, Path, Mapping[str, Any], AgentConfig]
         raise ConfigError(f"config: {path} is not valid YAML: {exc}") from None
     if not isinstance(loaded, Mapping):
         raise ConfigError(f"config: {path} must hold a mapping of settings, got {type(loaded).__name__}")
-    return dict(loaded)
+    loaded = dict(loaded)
+    alerts = loaded.get("alerts")
+    if isinstance(alerts, str) and not Path(alerts).is_absolute():
+        # a rules file named in a config file is found beside it, as `mfuwatch alerts check` does
+        loaded["alerts"] = str(path.parent / alerts)
+    return loaded
 
 
 def load_config(config: Union[None, str, Path, Mapping[str, Any], AgentConfig] = None, **overrides: Any) -> AgentConfig:

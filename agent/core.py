@@ -124,6 +124,7 @@ class Agent:
         self._peak: Optional[float] = None
         self._peak_warned = False
         self._run_info_dirty = False
+        self._mfu_warned = False
         self._gpu_spec: Any = None
 
         self.exporter = Exporter(self.run_info)
@@ -473,9 +474,10 @@ class Agent:
                 self.timeline.write(to_record("run", self.run_info))
             for iv in self.clock.poll():
                 self._absorb(iv)
+                if self._acc["steps"] >= self.config.report_every_steps:
+                    self._report()  # one measurement per report_every_steps, however many steps one poll finds
             acc = self._acc
-            due = acc["steps"] >= self.config.report_every_steps or (
-                acc["steps"] > 0 and time.monotonic() - acc["start"] >= 10.0)
+            due = acc["steps"] > 0 and time.monotonic() - acc["start"] >= 10.0  # slow steps: at least every 10 s
             if due or (final and acc["steps"] > 0):
                 self._report()
         except Exception as exc:  # noqa: BLE001
@@ -536,6 +538,11 @@ class Agent:
             hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,
             loss=loss if (loss is None or math.isfinite(loss)) else None,
         )
+        if m.mfu is not None and m.mfu > 1.0 and not self._mfu_warned:
+            self._mfu_warned = True
+            log.warning("mfuwatch: MFU %.0f%% is above 100%%: the peak (%.3g FLOP/s, %s) is too low for this "
+                        "device — a calibration taken while the machine was busy, or the wrong dtype; pass "
+                        "peak_flops=<FLOP/s> for a trustworthy MFU", m.mfu * 100, peak, self.run_info.peak_source)
         self.latest = m
         self.exporter.collector.update(step=m)
         self.timeline.write(to_record("step", m))

@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+class DemoError(ValueError):
+    """A demo argument that cannot work on this machine (reported in one line, exit code 2)."""
+
 
 # ----------------------------------------------------------------------------- data
 
@@ -168,15 +173,25 @@ class DemoLM(nn.Module):
 # ----------------------------------------------------------------------------- run
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfuwatch demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300: ~2 min on a 2-core CPU)")
+    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300: ~2 min on a 2-core CPU)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="model preset (default: gpu on CUDA, cpu otherwise)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default: the preset's)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--batch", type=_positive_int, default=None, help="sequences per micro-batch (default: the preset's)")
+    p.add_argument("--seq", type=_positive_int, default=None, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--port", type=int, default=None, help="exporter base port (0 = any free port; default 9478)")
     p.add_argument("--config", default=None, help="agent YAML config (alerts: etc.)")
@@ -189,7 +204,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--profile-every", default="50 steps", help="profiler window cadence ('off' to disable)")
     p.add_argument("--patch-kernels", action="store_true", help="swap in mfuwatch.kernels' fused drop-ins")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--log-every", type=int, default=10, help="print progress every N steps")
+    p.add_argument("--log-every", type=_positive_int, default=10, help="print progress every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)
@@ -207,7 +222,13 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     con = Console(quiet=a.quiet or rank != 0, highlight=False)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise DemoError(f"--device: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DemoError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); "
+                        "use --device cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
     if device.type == "cuda":
@@ -229,6 +250,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         from mfuwatch.kernels import patch
 
         patch_report = patch(model)
+        con.print(str(patch_report))
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0,
                             **({"fused": True} if fused else {}))
@@ -271,7 +293,10 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     with Agent(fwd, opt, config=cfg) as agent:  # hooks on what the loop calls (DDP / compiled wrapper)
         con.print(f"exporter: {agent.exporter_url or '(off)'}")
         con.print(f"peak: {agent.run_info.peak_flops_per_second or 0:.3g} FLOP/s ({agent.run_info.peak_source or 'unknown'})")
-        for step in range(1, a.steps + 1):
+        last_m = None
+        step = 0
+        try:
+          for step in range(1, a.steps + 1):
             for _ in range(a.grad_accum):
                 x, y = batches.next()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
@@ -284,13 +309,21 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             if step % a.log_every == 0 or step == 1 or step == a.steps:
                 lv = loss.item() * a.grad_accum  # host-device sync, once per log interval
                 losses.append(lv)
-                m = agent.latest
-                if m is not None:
+                m = agent.latest  # measured on the agent's thread; it trails the loop by a few steps
+                if m is not None and m is not last_m:
+                    last_m = m
                     tps.append(m.tokens_per_second)
                     if m.mfu is not None:
                         mfus.append(m.mfu)
-                mfu_s = f"{m.mfu:6.1%}" if (m and m.mfu is not None) else "   n/a"
-                con.print(f"step {step:5d}  loss {lv:6.3f}  tokens/s {m.tokens_per_second if m else 0:10.0f}  MFU {mfu_s}")
+                if m is None:
+                    con.print(f"step {step:5d}  loss {lv:6.3f}  (first measurement after {cfg.report_every_steps} steps)")
+                else:
+                    mfu_s = f"{m.mfu:6.1%}" if m.mfu is not None else "   n/a"
+                    con.print(f"step {step:5d}  loss {lv:6.3f}  tokens/s {m.tokens_per_second:10.0f}  MFU {mfu_s}"
+                              f"  (to step {m.step})")
+        except KeyboardInterrupt:  # Ctrl-C: stop training, still flush, summarise and write the report
+            con.print(f"[yellow]interrupted at step {step}: finishing the summary[/]")
+            a.steps = max(step - 1, 0)
         # flush: the last measurement, and the last profiler window if its analysis is still running
         agent.close(timeout=30.0)
     elapsed = time.time() - t0
@@ -322,16 +355,19 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     t.add_column("measure")
     t.add_column("value", justify="right")
     fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    summary_view = dict(summary, mean_mfu=f"{summary['mean_mfu']:.1%}" if summary["mean_mfu"] is not None else None)
     for k in ("steps", "device", "initial_loss", "final_loss", "mean_mfu", "mean_tokens_per_second",
               "peak_flops_per_second", "peak_source", "flops_source", "exporter_url", "elapsed_seconds"):
-        t.add_row(k, fmt(summary[k]))
+        t.add_row(k, fmt(summary_view[k]))
     if w is not None:
         t.add_row("memory-bound share (last window)", f"{w.memory_bound_share:.1%}")
-        for s in w.suggestions[:3]:
-            t.add_row(f"suggestion: {s.kernel}", f"gain {s.expected_gain:.1%}  {s.apply}")
     if summary.get("report"):
         t.add_row("report", summary["report"])
     con.print(t)
+    if w is not None and w.suggestions:
+        con.print("suggestions from the last profiler window (existing fixes first; expected gain = share of step time):")
+        for s in w.suggestions:
+            con.print(f"  {s.kernel:<14} gain {s.expected_gain:5.1%}  {s.apply}", soft_wrap=True)
     if world > 1:
         import torch.distributed as dist
 
@@ -347,7 +383,15 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``mfuwatch demo``. Returns 0 when the loss fell, 1 otherwise."""
-    s = run(argv)
+    """Entry point of ``mfuwatch demo``. Returns 0 when the loss fell, 1 otherwise, 2 for a usage error."""
+    from mfuwatch.alerts import AlertConfigError
+
+    from .config import ConfigError
+
+    try:
+        s = run(argv)
+    except (ConfigError, AlertConfigError, DemoError) as exc:  # bad configuration or arguments: one line, no traceback
+        print(f"mfuwatch demo: {exc}", file=sys.stderr)
+        return 2
     ok = s["final_loss"] is not None and s["initial_loss"] is not None and s["final_loss"] < s["initial_loss"]
     return 0 if ok and math.isfinite(s["final_loss"]) else 1

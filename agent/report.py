@@ -248,9 +248,13 @@ def write_report(timeline_path: Union[str, Path], out_path: Union[str, Path]) ->
 
     Raises:
         OSError: if the timeline cannot be read or the report cannot be written.
-        ValueError: if the timeline holds a malformed line (other than a torn last line).
+        ValueError: if the timeline holds a malformed line (other than a torn last line), or no
+            timeline record at all.
     """
     data = load_timeline(timeline_path)
+    if not (data.run or data.steps or data.windows or data.gpus or data.alerts):
+        raise ValueError(f"{timeline_path}: no mfuwatch timeline records (kinds run, step, window, gpu, alert); "
+                         "is this the agent's `timeline:` file?")
     out = Path(out_path).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(data), encoding="utf-8")

@@ -218,7 +218,7 @@ class TraceIndex:
     def add(self, ev: Dict[str, Any]) -> None:
         """Add one event; only complete events (``ph`` ``X``) with a duration matter."""
         self.events_seen += 1
-        if ev.get("ph") != "X":
+        if not isinstance(ev, dict) or ev.get("ph") != "X":  # chrome traces hold objects; skip anything else
             return
         cat = ev.get("cat")
         try:

@@ -111,3 +111,24 @@ def test_default_run_is_shared_by_the_ranks_of_a_torchrun_job(monkeypatch):
 def test_file_sd_dir_must_be_a_path():
     with pytest.raises(ConfigError, match="file_sd_dir"):
         load_config(file_sd_dir=3)
+
+
+def test_command_line_forms_are_accepted(tmp_path):
+    # "500" as a command line passes it, and YAML 1.1 reads 1e12 (no dot) as a string
+    assert load_config(profile_every="500").profile_every == ProfileEvery(steps=500)
+    p = tmp_path / "c.yaml"
+    p.write_text("peak_flops: 1e12\n")
+    assert load_config(p).peak_flops == 1e12
+
+
+def test_unresolvable_bind_fails_fast():
+    with pytest.raises(ConfigError, match="bind: cannot resolve"):
+        load_config(bind="not a host")
+
+
+def test_alerts_path_is_relative_to_the_config_file(tmp_path, monkeypatch):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "agent.yaml").write_text("alerts: rules.yaml\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(sub / "agent.yaml").alerts == str(sub / "rules.yaml")

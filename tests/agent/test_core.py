@@ -257,3 +257,28 @@ def test_mark_gap_leaves_evaluation_out_of_step_time():
     assert a.latest.steps == 2 and a.latest.tokens == 16
     assert a.latest.step_time_seconds == pytest.approx(0.5)
     assert a.latest.mfu == pytest.approx(1e12 / 0.5 / 1e13)
+
+
+def test_one_measurement_per_report_interval_even_when_one_poll_finds_many_steps():
+    a = Agent(config=dict(BASE, flops_per_step=1e9, peak_flops=1e12, report_every_steps=10))
+    now = _fake_clock(a)
+    seen = []
+    a.timeline.write = lambda rec: seen.append(rec) if rec.get("kind") == "step" else None
+    for _ in range(35):  # all 35 boundaries are resolved by a single poll
+        now.t += 0.01
+        a.step(tokens=8)
+    a.close()
+    assert [r["step"] for r in seen] == [10, 20, 30, 35]
+    assert [r["steps"] for r in seen] == [10, 10, 10, 5]
+
+
+def test_mfu_above_one_is_reported_with_one_warning(caplog):
+    a = Agent(config=dict(BASE, flops_per_step=2e12, peak_flops=1e12, report_every_steps=1))
+    now = _fake_clock(a)
+    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
+        for _ in range(3):
+            now.t += 1.0
+            a.step(tokens=8)
+        a.close()
+    assert a.latest.mfu == pytest.approx(2.0)  # reported as measured, not clipped
+    assert sum("above 100%" in r.getMessage() for r in caplog.records) == 1

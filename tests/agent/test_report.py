@@ -249,3 +249,12 @@ def test_console_check_catches_page_errors(tmp_path):
     res = open_page(bad, tmp_path / "bad.png", size=(400, 300))
     text = "\n".join(res.console)
     assert "mfuwatch-probe" in text and "Uncaught Error: probe-uncaught" in text
+
+
+def test_a_file_without_timeline_records_is_an_error(tmp_path):
+    from mfuwatch.agent.report import main
+
+    p = tmp_path / "not-a-timeline.jsonl"
+    p.write_text('{"a": 1}\n')
+    assert main([str(p), "-o", str(tmp_path / "r.html")]) == 2
+    assert not (tmp_path / "r.html").exists()
