@@ -164,7 +164,8 @@ def _ops_table(window: Dict[str, Any]) -> str:
 
 
 def _suggestions_table(window: Dict[str, Any]) -> str:
-    sugg = sorted(window.get("suggestions") or [], key=lambda s: -float(s.get("expected_gain") or 0.0))
+    # keep the agent's ranking: existing torch fixes before bundled kernels, each by expected gain
+    sugg = list(window.get("suggestions") or [])
     if not sugg:
         return '<p class="empty">No remedies suggested in the latest profiler window.</p>'
     rows = [[html.escape(s.get("title", s.get("kernel", ""))), html.escape(s.get("kind", "")),
