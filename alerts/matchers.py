@@ -125,17 +125,23 @@ class InhibitRule:
                 "equal": list(self.equal)}
 
 
-def parse_silences(items: Any, where: str = "silences") -> Tuple[Silence, ...]:
-    """Validate the ``silences:`` list (``matchers``, ``until``, optional ``comment``)."""
+def _entries(items: Any, where: str, keys: Sequence[str]) -> Iterable[Tuple[str, Mapping[str, Any]]]:
+    """Yield ``(location, mapping)`` for each entry of a config list, checking its type and keys."""
     if items is None:
-        return ()
+        return
     if not isinstance(items, list):
         raise AlertConfigError(f"{where}: expected a list")
-    out = []
     for i, item in enumerate(items):
         w = f"{where}[{i}]"
         item = require_mapping(item, w)
-        check_keys(item, ("matchers", "until", "comment"), w)
+        check_keys(item, keys, w)
+        yield w, item
+
+
+def parse_silences(items: Any, where: str = "silences") -> Tuple[Silence, ...]:
+    """Validate the ``silences:`` list (``matchers``, ``until``, optional ``comment``)."""
+    out = []
+    for w, item in _entries(items, where, ("matchers", "until", "comment")):
         if "until" not in item:
             raise AlertConfigError(f"{w}.until: a silence needs an end time, e.g. '2025-06-01T18:00:00Z'")
         out.append(Silence(parse_matchers(item.get("matchers"), f"{w}.matchers"),
@@ -145,15 +151,8 @@ def parse_silences(items: Any, where: str = "silences") -> Tuple[Silence, ...]:
 
 def parse_inhibit_rules(items: Any, where: str = "inhibit_rules") -> Tuple[InhibitRule, ...]:
     """Validate the ``inhibit_rules:`` list (``source_matchers``, ``target_matchers``, ``equal``)."""
-    if items is None:
-        return ()
-    if not isinstance(items, list):
-        raise AlertConfigError(f"{where}: expected a list")
     out = []
-    for i, item in enumerate(items):
-        w = f"{where}[{i}]"
-        item = require_mapping(item, w)
-        check_keys(item, ("source_matchers", "target_matchers", "equal"), w)
+    for w, item in _entries(items, where, ("source_matchers", "target_matchers", "equal")):
         equal = as_str_list(item.get("equal", []), f"{w}.equal")
         for name in equal:
             if not LABEL_NAME_RE.match(name):
