@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import as_rows, cdiv, device_guard, row_bucket, tuned, use_triton
+from ._common import Launcher, as_rows, cdiv, device_guard, row_bucket, tuned, use_triton
 
 #: Activation codes (constexpr in the kernels).
 SILU, GELU, GELU_TANH = 0, 1, 2
@@ -114,6 +114,9 @@ def _glu_bwd_elementwise(
     tl.store(DG + row * N + cols, (dy * u * da).to(DG.dtype.element_ty), mask=m)
 
 
+_FWD = Launcher(_glu_fwd_elementwise)
+_BWD = Launcher(_glu_bwd_elementwise)
+
 _CANDIDATES = [(1024, 4), (2048, 8), (4096, 8), (1024, 8), (2048, 4), (512, 4)]  # (BLOCK, num_warps)
 
 
@@ -154,7 +157,7 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tens
 
     def launch(c):
         ncb = cdiv(n, c[0])
-        _glu_fwd_elementwise[(rows * ncb,)](g2, u2, y, sg, su, n, ncb, ACT=act, BLOCK=c[0], num_warps=c[1])
+        _FWD(rows * ncb, (g2, u2, y, sg, su, n, ncb), {"ACT": act, "BLOCK": c[0]}, c[1])
 
     with device_guard(gate):
         launch(tuned("glu_fwd", gate.device, (act, gate.dtype, rows == 1, row_bucket(y.numel())),
@@ -182,7 +185,7 @@ def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: 
 
     def launch(c):
         ncb = cdiv(n, c[0])
-        _glu_bwd_elementwise[(rows * ncb,)](dy2, g2, u2, dg, du, sdy, sg, su, n, ncb, ACT=act, BLOCK=c[0], num_warps=c[1])
+        _BWD(rows * ncb, (dy2, g2, u2, dg, du, sdy, sg, su, n, ncb), {"ACT": act, "BLOCK": c[0]}, c[1])
 
     with device_guard(gate):
         launch(tuned("glu_bwd", gate.device, (act, gate.dtype, rows == 1, row_bucket(dg.numel())),

@@ -1,0 +1,152 @@
+"""``_common.Launcher``: which calls go through Triton's JIT and which reuse the compiled kernel.
+
+The direct path only runs on a GPU (the interpreter has no compiled kernels), so these tests hand
+the launcher a stand-in for a ``@triton.jit`` function and for the CUDA stream getters, and check
+what it calls and with which arguments. On the GPU machine the whole kernel suite
+(``MFUWATCH_KERNEL_TESTS_ON_GPU=1``) and ``benchmarks/kernels.py`` run through the direct path.
+"""
+
+import types
+
+import pytest
+import torch
+
+from mfuwatch.kernels import _common
+from mfuwatch.kernels._common import Launcher, _arg_key
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+        self.function = "FUNC"
+        self.packed_metadata = "META"
+
+    def run(self, *a):
+        self.log.append(("direct", a))
+
+
+class FakeJit:
+    """Stands in for a JITFunction: ``fn[grid](*args, **consts)`` logs the call and returns a compiled kernel."""
+
+    def __init__(self, arg_names):
+        self.arg_names = arg_names
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(("jit", grid, args, kw))
+            return FakeCompiled(self.log)
+        return launch
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    rt = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
+
+    def make(arg_names):
+        fn = FakeJit(arg_names)
+        lau = Launcher(fn)
+        lau._rt = rt
+        return fn, lau
+    return make, rt
+
+
+def kinds(log):
+    return [e[0] for e in log]
+
+
+def test_second_call_with_same_specialisation_is_direct_with_all_arguments_in_order(fast):
+    make, _ = fast
+    fn, lau = make(["X", "Y", "n", "eps", "A", "B"])
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    y = torch.zeros(64, dtype=torch.bfloat16)
+    lau(7, (x, y, 64, 1e-6), {"A": True, "B": 128}, 4)
+    assert kinds(fn.log) == ["jit"]
+    assert fn.log[0][1] == (7,) and fn.log[0][3] == {"A": True, "B": 128, "num_warps": 4}
+    lau(9, (x, y, 64, 1e-5), {"A": True, "B": 128}, 4)  # a different float and grid: same kernel
+    assert kinds(fn.log) == ["jit", "direct"]
+    assert fn.log[1][1] == (9, 1, 1, 1234, "FUNC", "META", None, None, None, x, y, 64, 1e-5, True, 128)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_not_div16", "int64", "consts", "warps"])
+def test_a_different_specialisation_goes_through_the_jit(fast, change):
+    make, _ = fast
+    fn, lau = make(["X", "n", "B"])
+    base = torch.zeros(80, dtype=torch.bfloat16)
+    x, n, consts, warps = base[:64], 64, {"B": 1}, 4
+    lau(1, (x, n), consts, warps)
+    lau(1, (x, n), consts, warps)
+    assert kinds(fn.log) == ["jit", "direct"]
+    if change == "misaligned":
+        x = base[1:65]  # data pointer 2 bytes past a 16-byte boundary
+    elif change == "dtype":
+        x = torch.zeros(64, dtype=torch.float16)
+    elif change == "int_is_one":
+        n = 1
+    elif change == "int_not_div16":
+        n = 65
+    elif change == "int64":
+        n = 2 ** 33
+    elif change == "consts":
+        consts = {"B": 2}
+    else:
+        warps = 8
+    lau(1, (x, n), consts, warps)
+    assert kinds(fn.log) == ["jit", "direct", "jit"]
+
+
+def test_arg_key_classes():
+    assert _arg_key(1) != _arg_key(16) != _arg_key(17)
+    assert _arg_key(32) == _arg_key(48)  # both divisible by 16, int32
+    assert _arg_key(2 ** 31) != _arg_key(32)  # int64 vs int32
+    assert _arg_key(0.5) == _arg_key(3.0)  # floats are not specialised
+    assert _arg_key(None) is None and _arg_key(True) is True
+
+
+class Chain:
+    """Like Triton's ``HookChain``: always present, empty when no hook is registered."""
+
+    def __init__(self):
+        self.calls = []
+
+
+def test_launch_hook_set_means_jit_every_time(fast):
+    make, rt = fast
+    rt.launch_enter_hook, rt.launch_exit_hook = Chain(), Chain()  # empty chains: no hook
+    fn, lau = make(["X", "B"])
+    x = torch.zeros(16)
+    lau(1, (x,), {"B": 1}, 4)
+    lau(1, (x,), {"B": 1}, 4)
+    assert kinds(fn.log) == ["jit", "direct"]
+    rt.launch_enter_hook.calls.append(lambda *a: None)
+    lau(1, (x,), {"B": 1}, 4)
+    rt.launch_enter_hook = lambda *a: None  # a plain callable (older Triton)
+    lau(1, (x,), {"B": 1}, 4)
+    assert kinds(fn.log) == ["jit", "direct", "jit", "jit"]
+
+
+def test_constexprs_not_closing_the_signature_always_jit(fast):
+    make, _ = fast
+    fn, lau = make(["X", "B", "n"])  # a constexpr between runtime arguments
+    x = torch.zeros(16)
+    for _ in range(3):
+        lau(1, (x, 16), {"B": 1}, 4)
+    assert kinds(fn.log) == ["jit", "jit", "jit"]
+
+
+def test_interpreter_or_switch_off_means_no_direct_path(monkeypatch):
+    if _common.INTERPRET:  # the CI session runs the interpreter: no compiled kernels to call
+        assert _common._triton_runtime_knobs() is None
+    monkeypatch.setattr(_common, "INTERPRET", False)
+    monkeypatch.setattr(_common, "FAST_LAUNCH", False)
+    assert _common._triton_runtime_knobs() is None
+
+
+def test_this_tritons_default_hooks_count_as_unset():
+    triton = pytest.importorskip("triton")
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if rt is None:
+        pytest.skip("this Triton has no knobs")
+    assert not _common._hook_set(rt.launch_enter_hook) and not _common._hook_set(rt.launch_exit_hook)
