@@ -15,9 +15,15 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._common import (MIN_TUNE_ELEMENTS, as_rows, cdiv, kernel_rows, needs_device_switch, pow2_at_least, row_bucket, sm_count,
-                      tuned, use_triton)
-from ._norm_triton import _norm_bwd_fused, _norm_bwd_looped, _norm_fwd_fused, _norm_fwd_looped
+from ._common import (MIN_TUNE_ELEMENTS, Launcher, as_rows, cdiv, kernel_rows, needs_device_switch, pow2_at_least,
+                      row_bucket, sm_count, tuned, use_triton)
+from ._norm_triton import _norm_bwd_fused, _norm_bwd_looped, _norm_fwd_fused, _norm_fwd_looped, _sum_partials
+
+_FWD = Launcher(_norm_fwd_fused)
+_FWD_LOOPED = Launcher(_norm_fwd_looped)
+_BWD = Launcher(_norm_bwd_fused)
+_BWD_LOOPED = Launcher(_norm_bwd_looped)
+_SUM = Launcher(_sum_partials)
 
 #: Widest row (elements) kept in registers by the forward / backward; wider rows loop.
 FWD_MAX_FUSED = 32768
@@ -44,15 +50,20 @@ def _fwd_candidates(block_n: int):
 
 
 def _bwd_candidates(block_n: int):
-    """(programs per SM, num_warps) settings for the fused backward; the heuristic default first.
+    """(programs per SM, num_warps, rows per step) settings for the fused backward; the default first.
 
     At most 8 elements of a row per thread: the loop keeps x, dy, w, xhat and
     the dw/db accumulators in registers, and 16 elements per thread already
-    take 150-250 registers on sm_90 (one resident program per SM).
+    take 150-250 registers on sm_90 (one resident program per SM). Two rows
+    per step double the loads each program has in flight, for twice the
+    registers; measured on the H200 (``benchmarks/host_overhead.py``), two
+    programs per SM with 16 warps (32 at N = 8192) was the fastest one-row
+    setting.
     """
     default_w = max(1, min(32, block_n // 256))
     ws = [default_w] + [w for w in (4, 8, 16, 32) if w != default_w and 2 <= block_n // (32 * w) <= 8]
-    return [(per_sm, w) for w in ws[:2] for per_sm in (4, 2, 8)]
+    rows = (1, 2) if block_n <= 8192 else (1,)
+    return [(per_sm, w, r) for r in rows for w in ws[:2] for per_sm in (2, 4, 1)]
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -136,35 +147,36 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
     key = (dev.index, n, x.dtype, y_dtype, is_rms, has_w, has_b, has_res, llama_cast, row_bucket(rows),
            rows * n >= MIN_TUNE_ELEMENTS)
     switch = needs_device_switch(x)
-    c = _FWD_SETTINGS.get(key)
-    if c is None:
+    plan = _FWD_SETTINGS.get(key)
+    if plan is None:
         flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res, LLAMA_CAST=llama_cast)
 
         def launch(c):
-            _norm_fwd_fused[(cdiv(rows, c[0]),)](*args, **flags, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
+            _FWD(cdiv(rows, c[0]), args, dict(flags, ROWS=c[0], BLOCK_N=block_n), c[1])
 
         with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
             c = tuned("norm_fwd", dev, (n, x.dtype, y_dtype, tuple(flags.values()), row_bucket(rows)),
                       lambda: _fwd_candidates(block_n), launch, rows * n)
+        plan = (c[0], dict(flags, ROWS=c[0], BLOCK_N=block_n), c[1])
         if not _capturing(x):
-            _FWD_SETTINGS[key] = c
+            _FWD_SETTINGS[key] = plan
     if switch:
         with torch.cuda.device(dev):
-            _norm_fwd_fused[(cdiv(rows, c[0]),)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res,
-                                                 LLAMA_CAST=llama_cast, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
+            _FWD(cdiv(rows, plan[0]), args, plan[1], plan[2])
     else:
-        _norm_fwd_fused[(cdiv(rows, c[0]),)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res,
-                                             LLAMA_CAST=llama_cast, ROWS=c[0], BLOCK_N=block_n, num_warps=c[1])
+        _FWD(cdiv(rows, plan[0]), args, plan[1], plan[2])
     return y, s, mean, rstd
 
 
 def _launch_fwd_looped(rows, args, is_rms, has_w, has_b, has_res, llama_cast):
-    _norm_fwd_looped[(rows,)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res,
-                              LLAMA_CAST=llama_cast, BLOCK_N=LOOP_BLOCK, num_warps=8)
+    _FWD_LOOPED(rows, args, dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res, LLAMA_CAST=llama_cast,
+                                 BLOCK_N=LOOP_BLOCK), 8)
 
 
 def _vec(p: torch.Tensor, n: int) -> torch.Tensor:
-    """A weight/bias as ``(n,)`` with unit stride (the kernels read ``W + cols``)."""
+    """A weight/bias whose ``n`` elements are contiguous (the kernels read ``W + cols``; the shape is not used)."""
+    if p.is_contiguous():
+        return p
     v = p.reshape(n)
     return v if v.stride(0) == 1 or n == 1 else v.contiguous()
 
@@ -180,52 +192,43 @@ _BWD_SETTINGS: Dict[tuple, Tuple[int, int]] = {}
 
 
 def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w, has_b, is_rms, has_dres,
-                llama_cast, offset, looped, n_sm, c):
-    """One backward launch with setting ``c``: dx into ``dx2``; returns the fp32 partials or None.
+                llama_cast, offset, p_dtype, looped, n_sm, c):
+    """The backward with setting ``c``: dx into ``dx2``; returns None, dw or db, or (dw, db) in ``p_dtype``.
 
-    The partial sums of dw and db share one buffer, ``(2, programs, N)`` with both
-    (``(programs, N)`` with one), so that one reduction serves both.
+    Two launches: the row kernel, which writes dx and one fp32 partial row of
+    dw/db per program into a ``(sets, programs, N)`` buffer, and
+    :func:`._norm_triton._sum_partials`, which sums the partials over
+    programs into new ``(N,)`` tensors (one per set: dw and db never share
+    storage, as parameters' gradients must not).
     """
     rpp = cdiv(rows, min(rows, c[0] * n_sm))
     grid = cdiv(rows, rpp)
     nparts = has_w + has_b
-    part = dw_part = db_part = None
-    if nparts:
-        shape = (grid, n) if nparts == 1 else (2, grid, n)
-        part = (torch.zeros if looped else torch.empty)(shape, dtype=torch.float32, device=x2.device)
-        if nparts == 1:
-            dw_part = db_part = part
-        else:
-            dw_part, db_part = part[0], part[1]
+    part = None
+    if nparts:  # dw's partials first, then db's, at element offset db_off (no views: each costs host time)
+        part = (torch.zeros if looped else torch.empty)((nparts, grid, n), dtype=torch.float32, device=x2.device)
+        parts = part
     else:
-        dw_part = db_part = dx2
-    args = (dy2, x2, w, mean, rstd, dres2, dx2, dw_part, db_part, sdy, sx, sdr, n, rows, n, rpp, offset)
+        parts = dx2
+    db_off = (nparts - 1) * grid * n if has_b else 0
+    args = (dy2, x2, w, mean, rstd, dres2, dx2, parts, parts, sdy, sx, sdr, n, rows, n, rpp, db_off, offset)
+    flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres, LLAMA_CAST=llama_cast)
     if looped:
-        _norm_bwd_looped[(grid,)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres,
-                                  LLAMA_CAST=llama_cast, BLOCK_N=LOOP_BLOCK, num_warps=8)
+        _BWD_LOOPED(grid, args, dict(flags, BLOCK_N=LOOP_BLOCK), 8)
     else:
-        _norm_bwd_fused[(grid,)](*args, IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres,
-                                 LLAMA_CAST=llama_cast, BLOCK_N=pow2_at_least(n), num_warps=c[1])
-    return part
-
-
-def _sum_rows(part: torch.Tensor, p_dtype: torch.dtype) -> torch.Tensor:
-    """Column sums of fp32 partials ``(programs, N)``, summed in fp32, returned as ``(N,)`` in ``p_dtype``."""
-    red = part.sum(0)
-    return red if p_dtype == torch.float32 else red.to(p_dtype)
-
-
-def _reduce(part: Optional[torch.Tensor], p_dtype: torch.dtype):
-    """The partials' sums: None, one ``(N,)`` tensor, or a pair (dw, db) with separate storage.
-
-    dw and db must not share storage: the custom ops may not return aliases, and
-    parameters' gradients are expected to be independent tensors.
-    """
+        _BWD(grid, args, dict(flags, ROWS=c[2], BLOCK_N=pow2_at_least(n)), c[1])
     if part is None:
         return None
-    if part.dim() == 2:
-        return _sum_rows(part, p_dtype)
-    return _sum_rows(part[0], p_dtype), _sum_rows(part[1], p_dtype)
+    out0 = torch.empty(n, dtype=p_dtype, device=x2.device)
+    out1 = torch.empty(n, dtype=p_dtype, device=x2.device) if nparts == 2 else out0
+    ncb = cdiv(n, _SUM_BLOCK_N)
+    _SUM(ncb * nparts, (part, out0, out1, grid, n, ncb), _SUM_CONSTS, 4)
+    return (out0, out1) if nparts == 2 else out0
+
+
+#: Tile of :func:`._norm_triton._sum_partials`: 32 partial rows x 64 columns per step, 4 warps.
+_SUM_BLOCK_N = 64
+_SUM_CONSTS = {"BLOCK_P": 32, "BLOCK_N": _SUM_BLOCK_N}
 
 
 def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool,
@@ -265,19 +268,19 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
     dres2, sdr = kernel_rows(dres, n) if dres is not None else (dy2, sdy)
     has_w = weight is not None
     bargs = (dy2, x2, _vec(weight, n) if has_w else x2, mean if mean is not None else rstd, rstd, dres2,
-             dx, sdy, sx, sdr, n, rows, has_w, has_bias, is_rms, dres is not None, llama_cast, offset)
+             dx, sdy, sx, sdr, n, rows, has_w, has_bias, is_rms, dres is not None, llama_cast, offset, p_dtype)
     looped = n > BWD_MAX_FUSED
     n_sm = sm_count(dev)
     switch = needs_device_switch(xs)
     if looped:
-        c = (4, 8)
+        c = (4, 8, 1)
     else:
         key = (dev.index, n, xs.dtype, p_dtype, is_rms, has_w, has_bias, dres is not None, llama_cast,
                row_bucket(rows), rows * n >= MIN_TUNE_ELEMENTS)
         c = _BWD_SETTINGS.get(key)
         if c is None:
             def launch(c):  # the reduction of the partials is part of what a setting costs
-                return _reduce(_bwd_launch(*bargs, False, n_sm, c), p_dtype)
+                return _bwd_launch(*bargs, False, n_sm, c)
 
             flags = (is_rms, has_w, has_bias, dres is not None, llama_cast)
             with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
@@ -287,9 +290,9 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
                 _BWD_SETTINGS[key] = c
     if switch:
         with torch.cuda.device(dev):
-            red = _reduce(_bwd_launch(*bargs, looped, n_sm, c), p_dtype)
+            red = _bwd_launch(*bargs, looped, n_sm, c)
     else:
-        red = _reduce(_bwd_launch(*bargs, looped, n_sm, c), p_dtype)
+        red = _bwd_launch(*bargs, looped, n_sm, c)
     if red is None:
         return dx, None, None
     if has_w and has_bias:

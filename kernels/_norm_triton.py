@@ -32,8 +32,12 @@ Layout of the work:
   two >= N, masked); the forward takes ``ROWS`` rows per program (small N),
   the backward loops over a contiguous chunk of rows per program and keeps
   fp32 partial sums of ``dw``/``db`` in registers, written once per program
-  as a row of a ``(programs, N)`` buffer that the launcher sums over programs
-  (one fp32 ``torch.sum``: cheaper on the host than a second Triton launch);
+  as a row of a ``(programs, N)`` buffer; :func:`_sum_partials` then sums
+  that buffer over programs in fp32, in a fixed order (deterministic), and
+  writes ``dw``/``db`` in the parameters' dtype. The backward's loop takes
+  ``ROWS`` rows per step, so that each program has more loads in flight
+  (software pipelining with ``tl.range(num_stages=2)`` was measured slower on
+  the H200: ``benchmarks/host_overhead.py``);
 * *looped* kernels handle rows wider than the register budget
   (``_norm_launch.FWD_MAX_FUSED``/``BWD_MAX_FUSED``) by walking the row in ``LOOP_BLOCK``
   chunks: two or three passes, the extra passes served mostly from L2.
@@ -156,30 +160,33 @@ def _norm_fwd_looped(
 def _norm_bwd_fused(
     DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # DY, XS, DRES, DX: (rows, N); W: (N,); DW/DB_PART: (programs, N) fp32
     stride_dy, stride_xs, stride_dres, stride_dx,
-    n_rows, N, rows_per_prog, offset,
+    n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in DB_PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
-    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros([BLOCK_N], tl.float32)
-    db_acc = tl.zeros([BLOCK_N], tl.float32)
+    dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, n_rows)
-    for i in range(0, row_end - row_start):
-        row = row_start + i  # int64 (a bare loop variable may be 32-bit in the interpreter)
-        x = tl.load(XS + row * stride_xs + cols, mask=cmask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+    n_steps = (row_end - row_start + ROWS - 1) // ROWS  # plain arithmetic: a 0-d value in every interpreter
+    for k in range(0, n_steps):  # ROWS rows per step: more loads in flight per program
+        rows = row_start + k * ROWS + tl.arange(0, ROWS)  # int64 (a bare loop variable may be 32-bit)
+        rmask = rows < row_end
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(XS + rows[:, None] * stride_xs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         if IS_RMS:
-            xhat = x * rstd
+            xhat = x * rstd[:, None]
         else:
-            xhat = tl.where(cmask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+            xhat = tl.where(mask, (x - tl.load(MEAN + rows, mask=rmask, other=0.0)[:, None]) * rstd[:, None], 0.0)
         if HAS_W:
-            g = dy * w
+            g = dy * w[None, :]
             if LLAMA_CAST:
                 dw_acc += dy * xhat.to(XS.dtype.element_ty).to(tl.float32)
             else:
@@ -188,25 +195,25 @@ def _norm_bwd_fused(
             g = dy
         if HAS_B:
             db_acc += dy
-        c1 = tl.sum(g * xhat, axis=0) / N
+        c1 = tl.sum(g * xhat, axis=1) / N
         if IS_RMS:
-            dx = (g - xhat * c1) * rstd
+            dx = (g - xhat * c1[:, None]) * rstd[:, None]
         else:
-            dx = (g - tl.sum(g, axis=0) / N - xhat * c1) * rstd
+            dx = (g - (tl.sum(g, axis=1) / N)[:, None] - xhat * c1[:, None]) * rstd[:, None]
         if HAS_DRES:
-            dx += tl.load(DRES + row * stride_dres + cols, mask=cmask, other=0.0).to(tl.float32)
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=cmask)
+            dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_W:
-        tl.store(DW_PART + pid * N + cols, dw_acc, mask=cmask)
+        tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
-        tl.store(DB_PART + pid * N + cols, db_acc, mask=cmask)
+        tl.store(DB_PART + db_off + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
 @triton.jit
 def _norm_bwd_looped(
     DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # as in _norm_bwd_fused; DW/DB_PART zero-filled
     stride_dy, stride_xs, stride_dres, stride_dx,
-    n_rows, N, rows_per_prog, offset,
+    n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in DB_PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
     LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -251,8 +258,8 @@ def _norm_bwd_looped(
             else:
                 g = dy
             if HAS_B:
-                q = tl.load(DB_PART + pid * N + cols, mask=m, other=0.0)
-                tl.store(DB_PART + pid * N + cols, q + dy, mask=m)
+                q = tl.load(DB_PART + db_off + pid * N + cols, mask=m, other=0.0)
+                tl.store(DB_PART + db_off + pid * N + cols, q + dy, mask=m)
             if IS_RMS:
                 dx = (g - xhat * c1) * rstd
             else:
@@ -261,3 +268,33 @@ def _norm_bwd_looped(
                 dx += tl.load(DRES + row * stride_dres + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
         tl.debug_barrier()  # the next row re-reads the partial rows this one wrote
+
+
+@triton.jit
+def _sum_partials(
+    P, OUT0, OUT1,  # P: (sets, n_parts, N) fp32 partial sums, contiguous; OUT0, OUT1: (N,) sums of set 0 and 1
+    n_parts, N, n_col_blocks,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Column sums over ``n_parts`` of each set of partials, in fp32, stored in the outputs' dtype.
+
+    Program ``pid`` sums columns ``(pid % n_col_blocks) * BLOCK_N + [0, BLOCK_N)``
+    of set ``pid // n_col_blocks`` (0 writes ``OUT0``, 1 writes ``OUT1``), always
+    in the same order: the result does not depend on timing (deterministic).
+    """
+    pid = tl.program_id(0)
+    which = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    base = P + which.to(tl.int64) * n_parts * N
+    parts = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        ps = p0 + parts
+        acc += tl.load(base + ps[:, None] * N + cols[None, :], mask=(ps < n_parts)[:, None] & cmask[None, :],
+                       other=0.0)
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=cmask)
+    else:
+        tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=cmask)

@@ -2,7 +2,7 @@
 
 The interpreter (which runs the other tests) never lowers a kernel to PTX, so an op that the
 GPU compiler rejects would only show on the GPU machine. This compiles each kernel family with
-the settings the launchers use, for bf16 and fp32, to a cubin with the ptxas bundled in the
+the settings the launchers use (the backward with one and two rows per step), for bf16 and fp32, to a cubin with the ptxas bundled in the
 triton wheel.
 """
 
@@ -39,15 +39,19 @@ SCRIPT = textwrap.dedent(
         comp(K._norm_fwd_looped, fwd, dict(flags, BLOCK_N=4096), 8)
         bwd = dict(DY=p, XS=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, DW_PART="*fp32", DB_PART="*fp32",
                    stride_dy="i32", stride_xs="i64", stride_dres="i32", stride_dx="i32", n_rows="i32", N="i32",
-                   rows_per_prog="i32", offset="fp32")
+                   rows_per_prog="i32", db_off="i32", offset="fp32")
         bflags = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=has_b, HAS_DRES=res, LLAMA_CAST=llama)
-        comp(K._norm_bwd_fused, bwd, dict(bflags, BLOCK_N=4096), 16)
+        for rows in (1, 2):  # rows per step of the backward's loop
+            comp(K._norm_bwd_fused, bwd, dict(bflags, ROWS=rows, BLOCK_N=4096), 16)
         comp(K._norm_bwd_looped, bwd, dict(bflags, BLOCK_N=4096), 8)
         for act in (G.SILU, G.GELU, G.GELU_TANH):
             comp(G._glu_fwd_elementwise, dict(G=p, U=p, Y=p, stride_g="i32", stride_u="i32", N="i64",
                                              n_col_blocks="i32"), dict(ACT=act, BLOCK=1024), 4)
             comp(G._glu_bwd_elementwise, dict(DY=p, G=p, U=p, DG=p, DU=p, stride_dy="i32", stride_g="i32",
                                              stride_u="i32", N="i64", n_col_blocks="i32"), dict(ACT=act, BLOCK=2048), 8)
+    for dt in ("bf16", "fp32"):
+        comp(K._sum_partials, dict(P="*fp32", OUT0="*" + dt, OUT1="*" + dt, n_parts="i32", N="i32",
+                                   n_col_blocks="i32"), dict(BLOCK_P=32, BLOCK_N=64), 4)
     print("compiled", n)
     """
 )
@@ -62,4 +66,4 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
-    assert proc.stdout.strip().endswith("compiled 30"), proc.stdout
+    assert proc.stdout.strip().endswith("compiled 35"), proc.stdout

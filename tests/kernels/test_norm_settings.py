@@ -1,0 +1,71 @@
+"""Every backward launch setting the autotuner may pick gives the float64 gradients, and the partial-sum
+reduction is an exact fp32 column sum.
+
+Under the interpreter (and on small shapes on the GPU) the launchers use the first candidate
+setting; the others, e.g. two rows per loop step, are only chosen by timing on the GPU. These
+tests run each candidate directly, with row counts that leave partial steps and uneven programs.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mfuwatch.kernels import _norm_launch as K
+from mfuwatch.kernels._common import pow2_at_least
+from mfuwatch.kernels._norm_triton import _sum_partials
+from tests.helpers.kernel_checks import DEVICE, assert_close
+
+
+def reference(kind, x, w, b, dy, dres, eps):
+    """float64 gradients (dx [+ dres], dw, db) by autograd through the plain formulas."""
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if b is not None else None
+    if kind == "rms":
+        y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+    else:
+        y = F.layer_norm(x64, (x.shape[-1],), w64, b64, eps)
+    y.backward(dy.double())
+    dx = x64.grad + (dres.double() if dres is not None else 0)
+    return dx, w64.grad, (b64.grad if b is not None else None)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("rows", [1, 7, 13])
+@pytest.mark.parametrize("n", [40, 33])
+def test_every_backward_setting_matches_float64(kind, rows, n, gen):
+    dt = torch.float32
+    x = torch.randn(rows, n, generator=gen).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE)
+    b = (0.1 * torch.randn(n, generator=gen)).to(DEVICE) if kind == "layer" else None
+    dy = torch.randn(rows, n, generator=gen).to(DEVICE)
+    dres = torch.randn(rows, n, generator=gen).to(DEVICE) if kind == "rms" else None
+    is_rms = kind == "rms"
+    _, _, mean, rstd = K.norm_fwd(x, w, b, None, n, 1e-5, 0.0, is_rms, False)
+    ref = reference(kind, x.cpu(), w.cpu(), b.cpu() if b is not None else None, dy.cpu(),
+                    dres.cpu() if dres is not None else None, 1e-5)
+    cands = K._bwd_candidates(pow2_at_least(n))
+    assert {c[2] for c in cands} == {1, 2}, "both one and two rows per step are candidates"
+    for c in cands:
+        dx = torch.empty_like(x)
+        red = K._bwd_launch(dy, x, w, mean if mean is not None else rstd, rstd, dres if dres is not None else dy,
+                            dx, n, n, n, n, rows, True, b is not None, is_rms, dres is not None, False, 0.0, dt,
+                            False, 2, c)
+        dw, db = red if b is not None else (red, None)
+        assert_close(dx, ref[0], dt, f"dx {c}")
+        assert_close(dw, ref[1], dt, f"dw {c}")
+        if b is not None:
+            assert_close(db, ref[2], dt, f"db {c}")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_parts,n", [(1, 5), (33, 70), (70, 129)])
+def test_sum_partials_is_the_fp32_column_sum_of_each_set(n_parts, n, out_dtype, gen):
+    part = torch.randn(2, n_parts, n, generator=gen).to(DEVICE)
+    out0 = torch.full((n,), float("nan"), dtype=out_dtype, device=DEVICE)
+    out1 = torch.full((n,), float("nan"), dtype=out_dtype, device=DEVICE)
+    ncb = -(-n // K._SUM_BLOCK_N)
+    _sum_partials[(2 * ncb,)](part, out0, out1, n_parts, n, ncb, **K._SUM_CONSTS, num_warps=4)
+    ref = part.double().sum(1).cpu()
+    assert_close(out0, ref[0], out_dtype, "set 0")
+    assert_close(out1, ref[1], out_dtype, "set 1")
