@@ -213,7 +213,9 @@ def part3():
                 kf = kernel_times(f)
                 outs = f()
 
-                def bwd():
+                def bwd():  # grads set to None first: no accumulation kernel in the timing
+                    for t in (x, w, b, r):
+                        t.grad = None
                     torch.autograd.backward(list(outs), [dy] * len(outs), retain_graph=True)
                 kb = kernel_times(bwd)
                 tf, tb = sum(kf.values()), sum(kb.values())
@@ -224,6 +226,69 @@ def part3():
                     t.grad = None
             del x, r, dy
             torch.cuda.empty_cache()
+    say("")
+
+
+def part4():
+    """Every backward launch setting at three shapes: GPU time of the row kernel plus the partial-sum kernel."""
+    from triton.testing import do_bench
+
+    from mfuwatch.kernels._common import pow2_at_least, sm_count
+    say("## Backward settings (rms_norm, bf16): do_bench median µs of the two backward launches")
+    say("")
+    say("| shape | (programs/SM, warps, rows per step) | µs | % of copy |")
+    say("|---|---|---:|---:|")
+    bw = copy_bw()
+    for rows, n in ((8192, 4096), (16384, 4096), (16384, 8192)):
+        x = torch.randn(rows, n, device="cuda", dtype=BF16)
+        dy = torch.randn_like(x)
+        w = torch.randn(n, device="cuda", dtype=BF16)
+        rstd = torch.rand(rows, device="cuda") + 0.5
+        dx = torch.empty_like(x)
+        n_sm = sm_count(x.device)
+        by = minimal_bytes("rms_norm", rows, n, 2, backward=True)
+        for c in K._bwd_candidates(pow2_at_least(n)):
+            args = (dy, x, w, rstd, rstd, dy, dx, n, n, n, n, rows, True, False, True, False, True, 0.0,
+                    torch.bfloat16, False, n_sm, c)
+            try:
+                us = 1e3 * do_bench(lambda: K._bwd_launch(*args), warmup=5, rep=30, return_mode="median")
+                say(f"| {rows}x{n} | {c} | {us:.1f} | {by / (us * 1e-6) / bw:.0%} |")
+            except Exception as exc:  # noqa: BLE001
+                say(f"| {rows}x{n} | {c} | failed: {type(exc).__name__} | |")
+    say("")
+
+
+def part5():
+    """CPU timeline of one rms_norm forward+backward (64 x 2048 bf16): where the host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    say("## CPU timeline of one mk.rms_norm forward+backward (torch.profiler, CPU + CUDA runtime events)")
+    say("")
+    n = 2048
+    x = torch.randn(64, n, device="cuda", dtype=BF16, requires_grad=True)
+    w = torch.randn(n, device="cuda", dtype=BF16, requires_grad=True)
+    dy = torch.randn(64, n, device="cuda", dtype=BF16)
+    for _ in range(20):
+        mk.rms_norm(x, w).backward(dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            with torch.profiler.record_function("ITER"):
+                x.grad = w.grad = None
+                mk.rms_norm(x, w).backward(dy)
+        torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    iters = sorted((e for e in evs if e.name == "ITER"), key=lambda e: e.time_range.start)
+    it = iters[-1]
+    t0, t1 = it.time_range.start, it.time_range.end
+    inside = sorted((e for e in evs if t0 <= e.time_range.start <= t1 and e.name != "ITER"),
+                    key=lambda e: e.time_range.start)
+    say(f"iteration: {t1 - t0:.0f} µs of host time")
+    say("")
+    say("| start µs | duration µs | thread | event |")
+    say("|---:|---:|---:|---|")
+    for e in inside[:60]:
+        say(f"| {e.time_range.start - t0:.1f} | {e.time_range.end - e.time_range.start:.1f} | {e.thread} | {e.name[:70]} |")
     say("")
 
 
@@ -238,6 +303,8 @@ def main():
     go = part1()
     part2(go)
     part3()
+    part4()
+    part5()
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
