@@ -19,7 +19,10 @@ kernel                 modules                                                re
 
 The replacement *shares* the original's parameters (the same ``Parameter``
 objects, so an optimizer built before patching keeps working) and keeps its
-device, dtype and training mode; ``state_dict`` keys do not change. With
+device, dtype and training mode; ``state_dict`` keys do not change. Norms
+without affine parameters (``elementwise_affine=False``) are swapped too: their
+replacement has no parameters either and runs on whatever device its input is
+on (the Triton kernels on CUDA, the PyTorch fallback on the CPU). With
 ``verify=True`` (default) each replacement is first run next to the original
 on a small random input (a private generator; the global RNG is untouched) and
 only swapped when the outputs agree within the dtype's tolerance; for
@@ -114,6 +117,11 @@ def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torc
     if not err <= _TOL.get(dtype, 3e-2):
         return f"probe output differs from the fused op (relative error {err:.2e})"
     return None
+
+
+def _probe_device() -> torch.device:
+    """Where to probe a module that has no parameters: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _first_param(m: nn.Module) -> Optional[torch.Tensor]:
@@ -251,6 +259,8 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
         new = None
         if reason is None:
             p = _first_param(m)
+            # a parameter-free norm runs wherever its input is: probe it where the kernels run
+            dev, dt = (p.device, p.dtype) if p is not None else (_probe_device(), torch.float32)
             for build in builders:
                 cand = build()
                 cand.train(m.training)
@@ -258,7 +268,7 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
                     shape = (4, cand.gate_proj.in_features)
                 else:
                     shape = (4, *cand.normalized_shape)
-                reason = _probe(m, cand, shape, p.dtype, p.device) if verify else None
+                reason = _probe(m, cand, shape, dt, dev) if verify else None
                 if reason is None:
                     new = cand
                     break
@@ -278,6 +288,12 @@ def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
         return "it is the model itself; use the fused module directly"
     p = _first_param(m)
     if p is None:
+        if len(list(m.buffers())) == 0 and hasattr(m, "normalized_shape"):
+            # a norm without affine parameters: the replacement follows its input's device
+            if not (torch.cuda.is_available() or INTERPRET):
+                return ("no parameters, and no CUDA device here: the Triton kernels need one "
+                        "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
+            return _hooked(m)
         return "it has no parameters to infer device and dtype from"
     if not (p.is_cuda or p.device.type == "meta" or (INTERPRET and p.device.type == "cpu")):
         return (f"on {p.device}: the Triton kernels need a CUDA device "

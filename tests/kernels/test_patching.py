@@ -172,3 +172,29 @@ def test_root_module_and_unknown_kernel_names():
                                          r"rms_norm, layer_norm, add_rms_norm, swiglu, geglu"):
         mk.patch(root, kernels=["rmsnorm"])
     assert patching.KERNEL_NAMES == mk.AVAILABLE_KERNELS
+
+
+@pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="torch without nn.RMSNorm")
+def test_norms_without_affine_parameters_are_swapped_and_match(gen):
+    model = nn.Sequential(nn.LayerNorm(24, elementwise_affine=False), nn.Linear(24, 24),
+                          nn.RMSNorm(24, eps=1e-6, elementwise_affine=False)).to(DEVICE)
+    x = torch.randn(5, 24, generator=gen).to(DEVICE)
+    # independent float64 reference of the unpatched model
+    x64 = x.double()
+    h = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    h = h @ model[1].weight.double().t() + model[1].bias.double()
+    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    report = mk.patch(model)
+    assert [(s.name, s.kernel) for s in report.swapped] == [("0", "layer_norm"), ("2", "rms_norm")]
+    assert isinstance(model[0], LayerNorm) and isinstance(model[2], RMSNorm)
+    assert list(model[0].parameters()) == [] and list(model[2].parameters()) == []
+    out = model(x)
+    assert torch.allclose(out.double().cpu(), ref.cpu(), atol=1e-4, rtol=1e-4)
+    assert mk.unpatch(model) == 2 and type(model[0]) is nn.LayerNorm and type(model[2]) is nn.RMSNorm
+
+
+def test_norms_without_affine_parameters_are_left_without_a_gpu_or_the_interpreter(monkeypatch):
+    monkeypatch.setattr(patching, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    report = mk.patch(nn.Sequential(nn.LayerNorm(8, elementwise_affine=False)))
+    assert report.swapped == [] and "no CUDA device here" in report.left[0].reason
