@@ -104,8 +104,8 @@ def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torc
         return None
     gen = torch.Generator(device=device).manual_seed(1234)
     x = (torch.randn(shape, generator=gen, device=device) * 2.0).to(dtype)
-    try:
-        with torch.no_grad():
+    try:  # fork_rng: a dropout inside the original must not advance the caller's global RNG
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             a, b = orig(x), repl(x)
     except Exception as exc:  # noqa: BLE001 - any failure means "do not swap"
         return f"probe run failed: {type(exc).__name__}: {exc}"
@@ -167,6 +167,11 @@ def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], n
         return "swiglu", None, f"no activation attribute among {_ACT_ATTRS}"
     name = type(act).__name__
     g, u, d = m.gate_proj, m.up_proj, m.down_proj
+    act_attr = next(a for a in _ACT_ATTRS if getattr(m, a, None) is act)
+    extra = [n for n, _c in m.named_children() if n not in ("gate_proj", "up_proj", "down_proj", act_attr)]
+    if extra:  # e.g. a dropout: identity in eval mode, so the probe would pass, and lost after .train()
+        return ("swiglu" if "silu" in name.lower() or isinstance(act, nn.SiLU) else "geglu", None,
+                f"it has submodules the fused MLP would drop: {', '.join(extra)}")
     if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU", "Swish"):
         return "swiglu", lambda: SwiGLUMLP.from_linears(g, u, d), ""
     if isinstance(act, nn.GELU):
@@ -180,10 +185,18 @@ def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], n
 
 
 def _hooked(m: nn.Module) -> Optional[str]:
-    if "forward" in m.__dict__:
-        return "its forward is wrapped on the instance (e.g. an accelerate hook)"
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
-        return "it has forward/backward hooks that the replacement would not carry"
+    """Why ``m`` must not be swapped because of hooks on it or on a submodule, or None.
+
+    Hooks on a submodule (an MLP's ``act_fn``, say) would be lost with it, and the
+    probe would fire hooks on shared submodules (its projections) with random data.
+    """
+    for sub_name, sub in m.named_modules():
+        where = f" (on its submodule {sub_name})" if sub_name else ""
+        if "forward" in sub.__dict__:
+            return f"its forward is wrapped on the instance (e.g. an accelerate hook){where}"
+        if (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
+                or getattr(sub, "_backward_pre_hooks", None)):
+            return f"it has forward/backward hooks that the replacement would not carry{where}"
     return None
 
 

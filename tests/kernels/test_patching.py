@@ -198,3 +198,67 @@ def test_norms_without_affine_parameters_are_left_without_a_gpu_or_the_interpret
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     report = mk.patch(nn.Sequential(nn.LayerNorm(8, elementwise_affine=False)))
     assert report.swapped == [] and "no CUDA device here" in report.left[0].reason
+
+
+class _GatedMLP(_OddMLP):
+    """A plain SwiGLU MLP."""
+
+    def __init__(self):
+        super().__init__(nn.SiLU())
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DropoutMLP(_OddMLP):
+    """A gated MLP with a dropout child: in eval mode its output equals the fused MLP's."""
+
+    def __init__(self):
+        super().__init__(nn.SiLU())
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.dropout(self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class _DropoutRMSNorm(nn.Module):
+    """An RMSNorm whose forward applies dropout in training mode (no extra parameters or buffers)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        x = nn.functional.dropout(x, 0.5, self.training)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def test_mlp_with_extra_submodules_is_left_even_in_eval_mode():
+    model = nn.Sequential(_DropoutMLP()).to(DEVICE).eval()
+    report = mk.patch(model)
+    assert report.swapped == [] and report.left[0].reason == "it has submodules the fused MLP would drop: dropout"
+    model.train()
+    x = torch.randn(4, 16).to(DEVICE)
+    assert not torch.equal(model(x), model(x))  # the dropout is still there
+
+
+def test_hooks_on_a_submodule_leave_the_module_and_the_probe_does_not_fire_them():
+    assert [x.kernel for x in mk.patch(nn.Sequential(_GatedMLP()).to(DEVICE)).swapped] == ["swiglu"]
+    calls = []
+    for sub in ("act_fn", "gate_proj"):
+        mlp = _GatedMLP()
+        getattr(mlp, sub).register_forward_hook(lambda m, i, o, sub=sub: calls.append(sub))
+        report = mk.patch(nn.Sequential(mlp).to(DEVICE))
+        assert report.swapped == []
+        assert report.left[0].reason == ("it has forward/backward hooks that the replacement would not carry "
+                                         f"(on its submodule {sub})")
+    assert calls == []  # the probe never ran the hooked modules
+
+
+def test_probe_leaves_the_global_rng_alone():
+    model = nn.Sequential(_DropoutRMSNorm(16)).to(DEVICE).train()
+    state = torch.get_rng_state()
+    report = mk.patch(model)
+    assert report.swapped == [] and "probe output differs" in report.left[0].reason  # dropout changed it
+    assert torch.equal(torch.get_rng_state(), state)
