@@ -1,6 +1,6 @@
 """mfuwatch.kernels: Triton fused kernels for the memory-bound ops of transformer training.
 
-Functional ops (torch argument order), ``nn.Module`` drop-ins, and
+Functional ops, ``nn.Module`` drop-ins, and
 ``patch(model, kernels=[...])``, which swaps the recognised modules of one
 model for the fused ones::
 

@@ -44,13 +44,35 @@ import torch
 #: read once, as Triton itself does when it decorates the kernels.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment switch: 1/true/on/yes or 0/false/off/no (any case, spaces ignored).
+
+    Unset or empty gives ``default``; any other value gives ``default`` too, with
+    one warning naming the variable and the accepted values.
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _ON:
+        return True
+    if raw in _OFF:
+        return False
+    if raw:
+        import warnings
+
+        warnings.warn(f"{name}={os.environ[name]!r} is not one of {'/'.join(_ON)} or {'/'.join(_OFF)}; "
+                      f"using the default ({'on' if default else 'off'})", stacklevel=2)
+    return default
+
+
 #: Measure launch settings on first use (set ``MFUWATCH_KERNELS_AUTOTUNE=0`` to
 #: keep the heuristic defaults, e.g. for bit-for-bit reproducible runs).
-AUTOTUNE = os.environ.get("MFUWATCH_KERNELS_AUTOTUNE", "1").lower() not in ("0", "false", "off", "no")
+AUTOTUNE = env_flag("MFUWATCH_KERNELS_AUTOTUNE", True)
 
 #: Launch compiled kernels directly (set ``MFUWATCH_KERNELS_FAST_LAUNCH=0`` to always go through Triton's
 #: ``kernel[grid](...)``).
-FAST_LAUNCH = os.environ.get("MFUWATCH_KERNELS_FAST_LAUNCH", "1").lower() not in ("0", "false", "off", "no")
+FAST_LAUNCH = env_flag("MFUWATCH_KERNELS_FAST_LAUNCH", True)
 
 _TUNED: Dict[Hashable, Any] = {}
 _TUNE_LOCK = threading.Lock()

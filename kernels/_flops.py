@@ -64,6 +64,25 @@ def register(op_packet, formula: Callable) -> None:
     """
     from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-    if op_packet in flop_registry:
+    if op_packet not in flop_registry:
+        register_flop_formula(op_packet)(formula)
+    _add_to_active_counters(op_packet, flop_registry[op_packet])
+
+
+def _add_to_active_counters(op_packet, wrapped: Callable) -> None:
+    """Give the formula to ``FlopCounterMode`` instances that are already counting.
+
+    A counter copies the registry when it is created, so an op module first
+    imported inside ``with FlopCounterMode():`` (``mfuwatch.kernels`` loads its
+    ops on first use) would otherwise count as zero until the next counter.
+    """
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        modes = _get_current_dispatch_mode_stack()
+    except Exception:  # noqa: BLE001 - a torch without this helper: counters opened later still count
         return
-    register_flop_formula(op_packet)(formula)
+    for mode in modes:
+        reg = getattr(getattr(mode, "counter", mode), "flop_registry", None)
+        if isinstance(reg, dict):
+            reg.setdefault(op_packet, wrapped)

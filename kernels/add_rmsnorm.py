@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _norm_launch as K
@@ -118,6 +119,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         return y, s
 
     @staticmethod
+    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy, dres):
         s, weight, rstd = ctx.saved_tensors
         if dy is None:

@@ -1,7 +1,7 @@
 """Fused gated activations and the gated MLPs built on them.
 
 * ``swiglu(gate, up) = silu(gate) * up`` (Llama, Mistral, Qwen MLPs);
-* ``geglu(gate, up, approximate="none"|"tanh") = gelu(gate) * up`` (Gemma, T5 v1.1);
+* ``geglu(gate, up, approximate="none"|"tanh") = gelu(gate) * up`` (Gemma; T5 v1.1 computes the same);
 * ``SwiGLUMLP`` / ``GeGLUMLP``: ``down_proj(act(gate_proj(x)) * up_proj(x))``,
   with the parameter names and ``state_dict`` of Hugging Face's ``LlamaMLP``.
 
@@ -14,6 +14,7 @@ from typing import Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _glu_triton as K
@@ -116,6 +117,7 @@ class GLUFunction(torch.autograd.Function):
         return K.glu_fwd(gate, up, activation)
 
     @staticmethod
+    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dg, du = K.glu_bwd(dy, gate, up, ctx.activation)

@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _norm_launch as K
@@ -103,6 +104,7 @@ class LayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = K.norm_bwd(dy, x, weight, ctx.has_bias, mean, rstd, None, _numel(x, ctx.n_dims), 0.0,
@@ -123,7 +125,7 @@ def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: O
         Tensor shaped like ``x``, contiguous, in ``x``'s dtype.
     Raises:
         ValueError: ``x`` does not end with ``normalized_shape``, or a
-        weight/bias of the wrong size (the sizes are printed).
+        weight/bias not shaped ``normalized_shape`` (the shapes are printed).
     """
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
@@ -131,6 +133,9 @@ def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: O
     if n_dims == 0 or tuple(x.shape[x.dim() - n_dims:]) != tuple(normalized_shape) or x.dim() < n_dims:
         raise ValueError(f"input shape {tuple(x.shape)} does not end with normalized_shape "
                          f"{tuple(normalized_shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != tuple(normalized_shape):
+            raise ValueError(f"{name} shape {tuple(p.shape)} != normalized_shape {tuple(normalized_shape)}")
     if use_custom_op(x, weight, bias):
         return torch.ops.mfuwatch.layer_norm(x, weight, bias, n_dims, float(eps))[0]
     return LayerNormFunction.apply(x, weight, bias, n_dims, float(eps))

@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _norm_launch as K
@@ -108,6 +109,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw, _ = K.norm_bwd(dy, x, weight, False, None, rstd, None, x.shape[-1], ctx.offset, True,
@@ -115,7 +117,7 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offset: float = 0.0, *,
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 1e-6, offset: float = 0.0, *,
              casting: str = "auto") -> Tensor:
     """Fused RMSNorm over the last dimension.
 
@@ -124,16 +126,21 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, offs
             (CPU tensors run the Triton interpreter when ``TRITON_INTERPRET=1``,
             else a PyTorch fallback).
         weight: (N,) scale, or None for no affine scale.
-        eps: added to the mean square (Llama 1e-6).
+        eps: added to the mean square (Llama 1e-6); None means
+            ``torch.finfo(x.dtype).eps``, as in ``torch.nn.functional.rms_norm``.
         offset: added to the weight in fp32 (Gemma: 1.0, for ``x̂·(1+w)``).
         casting: ``"llama"``, ``"fp32"`` or ``"auto"`` (see the module docstring).
     Returns:
         Tensor shaped like ``x``, contiguous; dtype ``promote(x, weight)`` under
         Llama casting with a weight, else ``x.dtype``.
     Raises:
-        ValueError: weight size != N, or an unknown casting mode.
+        ValueError: weight size != N, a 0-d ``x``, or an unknown casting mode.
     """
     llama = resolve_casting(casting, offset)
+    if x.dim() == 0:
+        raise ValueError("input is a 0-d tensor: RMSNorm needs at least one dimension to normalise over")
+    if eps is None:  # as torch.nn.functional.rms_norm
+        eps = torch.finfo(x.dtype).eps
     if use_custom_op(x, weight):
         return torch.ops.mfuwatch.rms_norm(x, weight, float(eps), float(offset), llama)[0]
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), llama)
@@ -148,8 +155,12 @@ class RMSNorm(nn.Module):
     ``state_dict`` match ``torch.nn.RMSNorm``; ``eps=None`` means
     ``torch.finfo(x.dtype).eps`` at call time, as there. Extra keyword-only
     arguments: ``offset`` (Gemma: 1.0; the weight then starts at zeros) and
-    ``casting`` (``"llama"``, ``"fp32"`` or ``"auto"``; ``torch.nn.RMSNorm``
-    computes as ``"fp32"``, Hugging Face Llama as ``"llama"``, the default).
+    ``casting`` (``"llama"``, ``"fp32"`` or ``"auto"``, the default: ``"llama"``
+    for ``offset == 0``, as Hugging Face Llama computes, ``"fp32"`` for Gemma's
+    ``offset == 1``). ``torch.nn.RMSNorm`` computes as ``"fp32"``: pass
+    ``casting="fp32"`` to match it exactly, including its output dtype (under
+    ``"llama"`` a bf16 input with an fp32 weight gives an fp32 output, as in
+    Hugging Face; ``patch`` picks the right mode for each module it swaps).
 
     ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)``
     returns ``(rms_norm(x + residual), x + residual)`` through the fused
@@ -158,7 +169,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = None,
                  elementwise_affine: bool = True, device=None, dtype=None, *, offset: float = 0.0,
-                 casting: str = "llama") -> None:
+                 casting: str = "auto") -> None:
         super().__init__()
         if isinstance(normalized_shape, int):
             normalized_shape = (normalized_shape,)

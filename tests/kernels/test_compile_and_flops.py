@@ -120,3 +120,50 @@ def test_modules_compile_fullgraph_including_the_residual_form(gen):
     assert torch.allclose(out_c, out_e, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads_c, grads_e):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_ops_first_used_inside_an_open_flop_counter_are_counted():
+    """The op modules load on first use; their formulas must reach a counter that is already open.
+
+    A fresh interpreter, so that the ops are really imported inside the counter. Hand counts from
+    the formulas of ``mfuwatch.kernels._flops``: rms_norm 4 + 9 and layer_norm (weight and bias)
+    7 + 13 FLOPs per element, forward + backward, of a 3 x 40 input.
+    """
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from torch.utils.flop_counter import FlopCounterMode
+        import mfuwatch.kernels as mk
+        x = torch.randn(3, 40, requires_grad=True)
+        w = torch.randn(40, requires_grad=True)
+        with FlopCounterMode(display=False) as fc:
+            mk.rms_norm(x, w).sum().backward()
+            first = fc.get_total_flops()
+            mk.layer_norm(x, (40,), w, w).sum().backward()
+        print(first, fc.get_total_flops())
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, total = map(int, proc.stdout.split()[-2:])
+    assert first == 120 * (4 + 9)
+    assert total == first + 120 * (7 + 13)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm", "swiglu"])
+def test_double_backward_says_so(op):
+    import mfuwatch.kernels as mk
+
+    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, device=DEVICE, requires_grad=True)
+    out = {"rms_norm": lambda: mk.rms_norm(x, w), "layer_norm": lambda: mk.layer_norm(x, (8,), w),
+           "add_rms_norm": lambda: mk.add_rms_norm(x, x * 2, w)[0], "swiglu": lambda: mk.swiglu(x, x * 3)}[op]()
+    (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()

@@ -150,3 +150,17 @@ def test_this_tritons_default_hooks_count_as_unset():
     if rt is None:
         pytest.skip("this Triton has no knobs")
     assert not _common._hook_set(rt.launch_enter_hook) and not _common._hook_set(rt.launch_exit_hook)
+
+
+@pytest.mark.parametrize("raw,expected", [(" 0 ", False), ("OFF", False), ("no", False), ("1", True),
+                                          (" Yes", True), ("", True)])
+def test_env_flags_accept_the_documented_values(monkeypatch, raw, expected):
+    monkeypatch.setenv("MFUWATCH_TEST_FLAG", raw)
+    assert _common.env_flag("MFUWATCH_TEST_FLAG", True) is expected
+
+
+def test_env_flag_with_an_unknown_value_warns_and_keeps_the_default(monkeypatch):
+    monkeypatch.setenv("MFUWATCH_TEST_FLAG", "disable")
+    with pytest.warns(UserWarning, match=r"MFUWATCH_TEST_FLAG='disable' is not one of 1/true/on/yes or "
+                                         r"0/false/off/no; using the default \(on\)"):
+        assert _common.env_flag("MFUWATCH_TEST_FLAG", True) is True

@@ -127,5 +127,7 @@ def test_module_matches_torch_layernorm(gen):
 def test_shape_errors_name_both_shapes():
     with pytest.raises(ValueError, match=r"\(2, 8\) does not end with normalized_shape \(9,\)"):
         layer_norm(torch.randn(2, 8, device=DEVICE), (9,))
-    with pytest.raises(ValueError, match="bias has 7 elements, expected 8"):
+    with pytest.raises(ValueError, match=r"bias shape \(7,\) != normalized_shape \(8,\)"):
         layer_norm(torch.randn(2, 8, device=DEVICE), 8, torch.ones(8, device=DEVICE), torch.ones(7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"weight shape \(8, 1\) != normalized_shape \(8,\)"):
+        layer_norm(torch.randn(2, 8, device=DEVICE), 8, torch.ones(8, 1, device=DEVICE))

@@ -184,3 +184,27 @@ def test_errors_name_both_sizes():
         rms_norm(torch.randn(2, 8, device=DEVICE, dtype=torch.float64), None)
     with pytest.raises(ValueError, match="weight is on meta but the input is on"):
         rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(8, device="meta"))
+
+
+def test_module_default_casting_follows_the_offset(gen):
+    """RMSNorm() computes as Hugging Face Llama (offset 0) and as Gemma (offset 1), like rms_norm's "auto"."""
+    from mfuwatch.kernels.rmsnorm import RMSNorm as FusedRMSNorm
+
+    x = (torch.randn(4, 24, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    for offset, mode in ((0.0, "llama"), (1.0, "fp32")):
+        m = FusedRMSNorm(24, eps=1e-6, offset=offset, dtype=torch.float32).to(DEVICE)
+        with torch.no_grad():
+            m.weight.copy_(0.1 * torch.randn(24, generator=gen))
+        ref = rms_norm(x, m.weight, 1e-6, offset, casting=mode)
+        other = rms_norm(x, m.weight, 1e-6, offset, casting="fp32" if mode == "llama" else "llama")
+        out = m(x)
+        assert out.dtype == ref.dtype and torch.equal(out, ref)
+        assert out.dtype != other.dtype or not torch.equal(out, other)  # the two modes do differ here
+
+
+def test_zero_dim_input_and_eps_none():
+    with pytest.raises(ValueError, match="0-d tensor"):
+        rms_norm(torch.tensor(1.0, device=DEVICE), torch.ones(1, device=DEVICE))
+    x = torch.randn(3, 16, device=DEVICE)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+    assert_close(rms_norm(x, None, None), ref, torch.float32, "eps=None is the dtype's epsilon")
