@@ -158,7 +158,8 @@ def _norm_fwd_looped(
 
 @triton.jit
 def _norm_bwd_fused(
-    DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # DY, XS, DRES, DX: (rows, N); W: (N,); DW/DB_PART: (programs, N) fp32
+    DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # DY, XS, DRES, DX: (rows, N); W: (N,)
+    # DW_PART/DB_PART: fp32 partial sums, one row of N per program (db's rows start at element db_off)
     stride_dy, stride_xs, stride_dres, stride_dx,
     n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in DB_PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
