@@ -13,6 +13,7 @@ for spec in "$@"; do
     kernels)     cmd="python3 benchmarks/kernels.py" ;;
     kernels_q)   cmd="python3 benchmarks/kernels.py --quick" ;;
     e2e)         cmd="python3 benchmarks/kernels_e2e.py --steps 8" ;;
+    host)        cmd="python3 benchmarks/host_overhead.py" ;;
     validate)    cmd="python3 benchmarks/agent_validation.py" ;;
     profiler)    cmd="python3 benchmarks/profiler_overhead.py" ;;
     ncu)         cmd="python3 benchmarks/ncu_agreement.py --layers 2 --timeout $((secs - 30))" ;;
