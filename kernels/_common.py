@@ -191,7 +191,7 @@ class Launcher:
         if rt is None or _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
             self.fn[(grid,)](*args, **consts, num_warps=num_warps)
             return
-        dev = torch._C._cuda_getDevice()
+        dev = _current_device()
         cvals = tuple(consts.values())
         key = (dev, num_warps, cvals, tuple(map(_arg_key, args)))
         entry = self._cache.get(key)

@@ -187,8 +187,8 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 #: Launch settings by cheap key, filled on first use: a cache hit is one dict lookup.
-_FWD_SETTINGS: Dict[tuple, Tuple[int, int]] = {}
-_BWD_SETTINGS: Dict[tuple, Tuple[int, int]] = {}
+_FWD_SETTINGS: Dict[tuple, Tuple[int, Dict[str, object], int]] = {}  # (rows per program, constexprs, warps)
+_BWD_SETTINGS: Dict[tuple, Tuple[int, int, int]] = {}  # (programs per SM, warps, rows per step)
 
 
 def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w, has_b, is_rms, has_dres,
@@ -204,14 +204,12 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
     rpp = cdiv(rows, min(rows, c[0] * n_sm))
     grid = cdiv(rows, rpp)
     nparts = has_w + has_b
-    part = None
-    if nparts:  # dw's partials first, then db's, at element offset db_off (no views: each costs host time)
-        part = (torch.zeros if looped else torch.empty)((nparts, grid, n), dtype=torch.float32, device=x2.device)
-        parts = part
-    else:
-        parts = dx2
+    # dw's partials first, then db's from element db_off (one buffer, no views: each view costs host time)
+    part = ((torch.zeros if looped else torch.empty)((nparts, grid, n), dtype=torch.float32, device=x2.device)
+            if nparts else None)
     db_off = (nparts - 1) * grid * n if has_b else 0
-    args = (dy2, x2, w, mean, rstd, dres2, dx2, parts, parts, sdy, sx, sdr, n, rows, n, rpp, db_off, offset)
+    args = (dy2, x2, w, mean, rstd, dres2, dx2, part if nparts else dx2, sdy, sx, sdr, n, rows, n, rpp, db_off,
+            offset)
     flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres, LLAMA_CAST=llama_cast)
     if looped:
         _BWD_LOOPED(grid, args, dict(flags, BLOCK_N=LOOP_BLOCK), 8)

@@ -158,10 +158,10 @@ def _norm_fwd_looped(
 
 @triton.jit
 def _norm_bwd_fused(
-    DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # DY, XS, DRES, DX: (rows, N); W: (N,)
-    # DW_PART/DB_PART: fp32 partial sums, one row of N per program (db's rows start at element db_off)
+    DY, XS, W, MEAN, RSTD, DRES, DX, PART,  # DY, XS, DRES, DX: (rows, N); W: (N,)
+    # PART: fp32 partial sums, one row of N per program: dw's rows first, db's from element db_off
     stride_dy, stride_xs, stride_dres, stride_dx,
-    n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in DB_PART
+    n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
     LLAMA_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -205,16 +205,16 @@ def _norm_bwd_fused(
             dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_W:
-        tl.store(DW_PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+        tl.store(PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_B:
-        tl.store(DB_PART + db_off + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
+        tl.store(PART + db_off + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
 
 
 @triton.jit
 def _norm_bwd_looped(
-    DY, XS, W, MEAN, RSTD, DRES, DX, DW_PART, DB_PART,  # as in _norm_bwd_fused; DW/DB_PART zero-filled
+    DY, XS, W, MEAN, RSTD, DRES, DX, PART,  # as in _norm_bwd_fused; PART zero-filled
     stride_dy, stride_xs, stride_dres, stride_dx,
-    n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in DB_PART
+    n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
     LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -254,13 +254,13 @@ def _norm_bwd_looped(
                 xw = xhat
                 if LLAMA_CAST:
                     xw = xhat.to(XS.dtype.element_ty).to(tl.float32)
-                p = tl.load(DW_PART + pid * N + cols, mask=m, other=0.0)
-                tl.store(DW_PART + pid * N + cols, p + dy * xw, mask=m)
+                p = tl.load(PART + pid * N + cols, mask=m, other=0.0)
+                tl.store(PART + pid * N + cols, p + dy * xw, mask=m)
             else:
                 g = dy
             if HAS_B:
-                q = tl.load(DB_PART + db_off + pid * N + cols, mask=m, other=0.0)
-                tl.store(DB_PART + db_off + pid * N + cols, q + dy, mask=m)
+                q = tl.load(PART + db_off + pid * N + cols, mask=m, other=0.0)
+                tl.store(PART + db_off + pid * N + cols, q + dy, mask=m)
             if IS_RMS:
                 dx = (g - xhat * c1) * rstd
             else:
