@@ -47,6 +47,52 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on
 _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
+def _version(mod: Any) -> Tuple[int, int]:
+    """(major, minor) of a module's ``__version__``; (0, 0) when it cannot be read."""
+    try:
+        return tuple(int(p) for p in mod.__version__.split(".")[:2])  # type: ignore[return-value]
+    except Exception:  # noqa: BLE001 - a missing or odd version string: treated as unknown
+        return (0, 0)
+
+
+def interpreter_index_fix() -> bool:
+    """Let Triton <= 3.6's interpreter loop over runtime bounds under NumPy >= 2.4; True when applied.
+
+    Triton's interpreter holds every scalar as a one-element NumPy array and,
+    up to Triton 3.6, turns it into a Python int with ``int(array)``: a
+    deprecation warning since NumPy 1.25 and a ``TypeError`` ("only
+    0-dimensional arrays can be converted to Python scalars") since NumPy 2.4,
+    raised by any ``for i in range(n)`` whose bound is a kernel argument. Triton
+    3.7 squeezes the array first (``interpreter.py``, ``__index__`` of the
+    patched tensor); this installs that same conversion on older Triton, only
+    under ``TRITON_INTERPRET=1`` with NumPy >= 2.4, and changes nothing else.
+    """
+    if not INTERPRET:
+        return False
+    try:
+        import numpy
+        import triton
+        import triton.runtime.interpreter as ti
+    except Exception:  # noqa: BLE001 - no Triton or NumPy: nothing to fix
+        return False
+    if _version(triton) >= (3, 7) or _version(numpy) < (2, 4) or getattr(ti, "_mfuwatch_index_fix", False):
+        return False
+    original = getattr(ti, "_patch_lang_tensor", None)
+    if original is None:
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    ti._patch_lang_tensor = patch_lang_tensor
+    ti._mfuwatch_index_fix = True
+    return True
+
+
+interpreter_index_fix()
+
+
 def env_flag(name: str, default: bool) -> bool:
     """A boolean environment switch: 1/true/on/yes or 0/false/off/no (any case, spaces ignored).
 
@@ -121,8 +167,7 @@ def _triton_runtime_knobs():
     try:
         import triton
 
-        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-        if (major, minor) < (3, 4):
+        if _version(triton) < (3, 4):
             return None
         return triton.knobs.runtime
     except Exception:  # noqa: BLE001 - no Triton, an unparsable version, no knobs: the plain path
