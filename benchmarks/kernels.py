@@ -15,7 +15,8 @@ tensor past 2**31 elements and, with two GPUs, a tensor on the non-current
 device; (2) measures device-copy bandwidth (``dst.copy_(src)``, 1 GiB, reads +
 writes); (3) times forward and forward+backward of each op with
 ``triton.testing.do_bench`` (median; inputs require grad, as in training) for
-every provider, and again replayed from a CUDA graph
+every provider, ``--repeats`` times with the providers interleaved (the median
+of those is reported, with our min-max), and again replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``: the GPU time with the host's Python,
 dispatcher and autograd-engine time taken out, which eager timing includes
 whenever the host is slower than the GPU), and reports the time and the achieved bandwidth, i.e. the
@@ -31,12 +32,16 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
 P = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 P.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing runs")
 P.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes (plumbing check)")
+P.add_argument("--repeats", type=int, default=3,
+               help="eager timings of each provider, interleaved; the median is reported (default 3; eager "
+                    "times include the host, whose speed on a shared machine moves between runs)")
 P.add_argument("--no-graphs", action="store_true",
                help="skip the second timing table (CUDA-graph replay: GPU time without host overhead)")
 ARGS = P.parse_args() if __name__ == "__main__" else P.parse_args([])
@@ -316,26 +321,37 @@ TIE = 0.02
 
 
 def time_case(op, rows, h, gen):
+    """{provider: (fwd, fwd+bwd eager medians, fwd, fwd+bwd graph), ...} in ms, and the eager (min, max) ranges.
+
+    Eager timing includes the host, and the same code's eager median moved by up to 2.8x between two
+    runs a few seconds apart on the H200 machine (``docs/benchmarks.md``): each provider is timed
+    ``--repeats`` times, the providers interleaved, and the median of those medians is reported.
+    """
     ins = make_inputs(op, rows, h, gen)
     grads = out_grads(op, ins, gen)
-    res = {}
-    for name, fn in providers(op, ins).items():
-        if fn is None:
-            res[name] = (None, None, None, None)
-            continue
-        try:
-            f = bench(lambda: fn(*ins), ins)
-            fb = bench(lambda: run_fwd_bwd(fn, ins, grads), ins)
-        except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
-            print(f"  {op} {rows}x{h} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            res[name] = (None, None, None, None)
-            continue
+    fns = {k: v for k, v in providers(op, ins).items() if v is not None}
+    eager = {name: ([], []) for name in fns}
+    for _ in range(max(1, ARGS.repeats)):
+        for name, fn in fns.items():
+            if name not in eager:
+                continue
+            try:
+                eager[name][0].append(bench(lambda: fn(*ins), ins))
+                eager[name][1].append(bench(lambda: run_fwd_bwd(fn, ins, grads), ins))
+            except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
+                print(f"  {op} {rows}x{h} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                del eager[name]
+    res = {name: (None, None, None, None) for name in PROVIDERS}
+    ranges = {}
+    for name, (f, fb) in eager.items():
+        fn = fns[name]
         gf = bench_graph(lambda: fn(*ins), ins)
         gfb = bench_graph(lambda: run_fwd_bwd(fn, ins, grads), ins)
-        res[name] = (f, fb, gf, gfb)
+        res[name] = (statistics.median(f), statistics.median(fb), gf, gfb)
+        ranges[name] = ((min(f), max(f)), (min(fb), max(fb)))
     if DEV == "cuda":
         torch.cuda.empty_cache()  # the inputs are freed when this returns; the cache is for the next shape
-    return res
+    return res, ranges
 
 
 def cell(ms, by, bw):
@@ -387,7 +403,7 @@ def main() -> int:
               "Cells: median ms (achieved minimal-bytes bandwidth as a fraction of copy).", ""]
 
     # (3) timings: eager (host included), then CUDA-graph replay (GPU only)
-    timed = [(op, r, h, time_case(op, r, h, gen)) for op, r, h in cases]
+    timed = [(op, r, h, *time_case(op, r, h, gen)) for op, r, h in cases]
     results = []
     for mode, title in ((0, "eager: `do_bench`, host time included (what an eager training loop sees when the host "
                             "is the bottleneck)"),
@@ -395,8 +411,10 @@ def main() -> int:
         if mode == 2 and (DEV == "cpu" or ARGS.no_graphs):
             continue
         head = "| op | tokens × hidden | pass | " + " | ".join(PROVIDERS) + " | best baseline | mfuwatch speed-up |"
-        lines += [f"#### Timing — {title}", "", head, "|" + "---|" * (len(PROVIDERS) + 5)]
-        for op, r, h, res in timed:
+        if mode == 0:
+            head += " mfuwatch min–max |"
+        lines += [f"#### Timing — {title}", "", head, "|" + "---|" * (len(PROVIDERS) + 5 + (mode == 0))]
+        for op, r, h, res, ranges in timed:
             for i, pas in enumerate(("fwd", "fwd+bwd")):
                 by = nbytes(op, r, h, False) + (nbytes(op, r, h, True) if i else 0)
                 t = {k: v[mode + i] for k, v in res.items()}
@@ -406,10 +424,14 @@ def main() -> int:
                 speed = f"{base[best] / ours:.2f}×" if best and ours else "n/a"
                 row = (f"| {op} | {r} × {h} | {pas} | " + " | ".join(cell(t[p], by, bw) for p in PROVIDERS)
                        + f" | {best or 'n/a'} | {speed} |")
+                if mode == 0:
+                    lo, hi = ranges.get("mfuwatch", ((None, None), (None, None)))[i]
+                    row += f" {lo:.3f}–{hi:.3f} |" if lo is not None else " n/a |"
                 lines.append(row)
                 print(row, flush=True)
                 results.append({"op": op, "rows": r, "hidden": h, "pass": pas, "bytes": by, "ms": t,
-                                "best_baseline": best, "timing": "graph" if mode else "eager"})
+                                "best_baseline": best, "timing": "graph" if mode else "eager",
+                                "eager_range_ms": None if mode else {k: v[i] for k, v in ranges.items()}})
         lines.append("")
 
     # (4) goals
