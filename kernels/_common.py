@@ -174,23 +174,45 @@ def _triton_runtime_knobs():
         return None
 
 
-def _arg_key(a: Any) -> Hashable:
-    """What Triton specialises a kernel argument on, as a small hashable (see :class:`Launcher`).
+def _int_key(a: int) -> int:
+    """What Triton specialises an int argument on: equal to 1, divisible by 16, fitting in int32."""
+    if a == 1:
+        return 1
+    return (2 if a % 16 == 0 else 3) if -0x80000000 <= a <= 0x7FFFFFFF else (4 if a % 16 == 0 else 5)
 
-    Tensors: dtype and whether the data pointer is 16-byte aligned. Ints:
-    equal to 1, divisible by 16, fitting in int32. Floats: nothing (fp32 args
-    are not specialised). Anything else (None, bools): the value itself.
+
+def _direct_args(args: tuple) -> Tuple[tuple, list]:
+    """``(specialisation key, launch arguments)`` of a launch's runtime arguments.
+
+    The key holds, per argument, what Triton specialises it on: for a tensor its dtype and whether
+    its data pointer is 16-byte aligned; for an int whether it equals 1, is divisible by 16, fits
+    in int32; for a float nothing (fp32 arguments are not specialised); None and bools as they are.
+    The launch arguments are ``args`` with each tensor replaced by its data pointer.
+
+    Triton's compiled launcher takes an int as a device pointer as it is; a tensor costs it a Python
+    ``data_ptr()`` call and a ``cuPointerGetAttribute`` driver call (Triton 3.6 and 3.9,
+    ``backends/nvidia/driver``), and the pointer is read here anyway for the alignment. The key also
+    records ``is_cuda``, so that a CPU tensor takes the JIT path, whose check raises Triton's "cannot be
+    accessed from Triton (cpu tensor?)" instead of a launch on a host address.
     """
-    c = a.__class__
-    if c is int:
-        if a == 1:
-            return 1
-        return (2 if a % 16 == 0 else 3) if -0x80000000 <= a <= 0x7FFFFFFF else (4 if a % 16 == 0 else 5)
-    if c is float:
-        return 0
-    if a is None or c is bool:
-        return a
-    return a.dtype, a.data_ptr() % 16 == 0
+    key = []
+    call = []
+    for a in args:
+        c = a.__class__
+        if c is int:
+            key.append(_int_key(a))
+            call.append(a)
+        elif c is float:
+            key.append(0)
+            call.append(a)
+        elif a is None or c is bool:
+            key.append(a)
+            call.append(a)
+        else:
+            p = a.data_ptr()
+            key.append((a.dtype, p % 16 == 0, a.is_cuda))
+            call.append(p)
+    return tuple(key), call
 
 
 def _hook_set(hook: Any) -> bool:
@@ -216,7 +238,8 @@ class Launcher:
     16-byte alignment of tensors; ints equal to 1, divisible by 16, or past
     int32) goes through Triton's JIT, which compiles or loads the kernel and
     returns it; the compiled kernel's launcher is kept and called directly by
-    later calls with the same specialisation. Launch hooks (e.g. Triton's
+    later calls with the same specialisation, with each tensor passed as its
+    data pointer (see :func:`_direct_args`). Launch hooks (e.g. Triton's
     profiler, proton) are honoured by taking the JIT path while one is set.
 
     The tensors must be on the current CUDA device (the launchers switch
@@ -238,7 +261,8 @@ class Launcher:
             return
         dev = _current_device()
         cvals = tuple(consts.values())
-        key = (dev, num_warps, cvals, tuple(map(_arg_key, args)))
+        akey, call = _direct_args(args)
+        key = (dev, num_warps, cvals, akey)
         entry = self._cache.get(key)
         if entry is None:
             k = self.fn[(grid,)](*args, **consts, num_warps=num_warps)
@@ -253,7 +277,7 @@ class Launcher:
             self.fn[(grid,)](*args, **consts, num_warps=num_warps)
             return
         run, function, meta = entry
-        run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(dev), function, meta, None, None, None, *args, *cvals)
+        run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(dev), function, meta, None, None, None, *call, *cvals)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mfuwatch.kernels import _common
-from mfuwatch.kernels._common import Launcher, _arg_key
+from mfuwatch.kernels._common import Launcher, _direct_args
 
 
 class FakeCompiled:
@@ -67,7 +67,9 @@ def test_second_call_with_same_specialisation_is_direct_with_all_arguments_in_or
     assert fn.log[0][1] == (7,) and fn.log[0][3] == {"A": True, "B": 128, "num_warps": 4}
     lau(9, (x, y, 64, 1e-5), {"A": True, "B": 128}, 4)  # a different float and grid: same kernel
     assert kinds(fn.log) == ["jit", "direct"]
-    assert fn.log[1][1] == (9, 1, 1, 1234, "FUNC", "META", None, None, None, x, y, 64, 1e-5, True, 128)
+    # tensors reach the compiled launcher as their data pointers (no data_ptr() call or pointer check there)
+    assert fn.log[1][1] == (9, 1, 1, 1234, "FUNC", "META", None, None, None, x.data_ptr(), y.data_ptr(), 64, 1e-5,
+                            True, 128)
 
 
 @pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_not_div16", "int64", "consts", "warps"])
@@ -97,12 +99,30 @@ def test_a_different_specialisation_goes_through_the_jit(fast, change):
     assert kinds(fn.log) == ["jit", "direct", "jit"]
 
 
-def test_arg_key_classes():
-    assert _arg_key(1) != _arg_key(16) != _arg_key(17)
-    assert _arg_key(32) == _arg_key(48)  # both divisible by 16, int32
-    assert _arg_key(2 ** 31) != _arg_key(32)  # int64 vs int32
-    assert _arg_key(0.5) == _arg_key(3.0)  # floats are not specialised
-    assert _arg_key(None) is None and _arg_key(True) is True
+def test_specialisation_key_classes():
+    def key(a):
+        return _direct_args((a,))[0][0]
+    assert key(1) != key(16) != key(17)
+    assert key(32) == key(48)  # both divisible by 16, int32
+    assert key(2 ** 31) != key(32)  # int64 vs int32
+    assert key(0.5) == key(3.0)  # floats are not specialised
+    assert key(None) is None and key(True) is True
+    t = torch.zeros(8, dtype=torch.float16)
+    assert _direct_args((t, 3, None))[1] == [t.data_ptr(), 3, None]
+
+
+def test_a_host_tensor_is_keyed_apart_from_a_device_tensor(fast):
+    """A CPU tensor must not reuse a kernel compiled for device pointers: it takes the JIT path, whose
+    pointer check raises, instead of a launch on a host address."""
+    make, _ = fast
+    fn, lau = make(["X", "B"])
+
+    def fake(is_cuda):
+        return types.SimpleNamespace(dtype=torch.bfloat16, is_cuda=is_cuda, data_ptr=lambda: 4096)
+    lau(1, (fake(True),), {"B": 1}, 4)
+    lau(1, (fake(True),), {"B": 1}, 4)
+    lau(1, (fake(False),), {"B": 1}, 4)
+    assert kinds(fn.log) == ["jit", "direct", "jit"]
 
 
 class Chain:
