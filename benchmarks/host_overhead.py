@@ -59,6 +59,18 @@ def per_call_us(fn, n=3000, repeats=5):
     return statistics.median(out)
 
 
+class _Nothing(torch.autograd.Function):
+    """The cost floor of any Python ``autograd.Function``: forward allocates its output, backward returns dy."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
 def part1():
     say("## Host time per call (64 x 2048 bf16; GPU work ~2 us per kernel)")
     say("")
@@ -89,6 +101,12 @@ def part1():
         ck.run(rows, 1, 1, torch._C._cuda_getCurrentRawStream(0), ck.function, ck.packed_metadata, None, None,
                None, *args, *consts)
 
+    pargs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+    def direct_ptr():  # the same, tensors passed as data pointers (as _common.Launcher does)
+        ck.run(rows, 1, 1, torch._C._cuda_getCurrentRawStream(0), ck.function, ck.packed_metadata, None, None,
+               None, *pargs, *consts)
+
     direct_ok = "n/a"
     try:
         y.zero_()
@@ -103,25 +121,38 @@ def part1():
         direct_ok = f"{type(exc).__name__}: {exc}"[:200]
         direct = None
 
+    bg = torch.randn(n, device="cuda", dtype=BF16, requires_grad=True)
+    rg = torch.randn(rows, n, device="cuda", dtype=BF16, requires_grad=True)
+
     def fwdbwd(f):
         def go():
             out = f(xg, wg)
-            out.backward(dy)
-            xg.grad = None
-            wg.grad = None
+            outs = list(out) if isinstance(out, tuple) else [out]
+            torch.autograd.backward(outs, [dy] * len(outs))
+            xg.grad = wg.grad = bg.grad = rg.grad = None
         return go
+
+    def native_add(a, b):
+        h = a + rg
+        return F.rms_norm(h, (n,), b, 1e-6), h
 
     cases = [
         ("torch.empty(64x2048 bf16)", lambda: torch.empty((rows, n), dtype=BF16, device="cuda")),
         ("native F.rms_norm fwd, no grad", lambda: F.rms_norm(x, (n,), w, 1e-6)),
         ("raw Triton launch of our fwd kernel", raw),
         ("compiled-kernel launcher, direct", direct),
+        ("compiled-kernel launcher, direct, data pointers", direct_ptr if direct else None),
         ("our launcher K.norm_fwd", lambda: K.norm_fwd(x, w, None, None, n, 1e-6, 0.0, True, True)),
         ("mk.rms_norm fwd, no grad", lambda: mk.rms_norm(x, w)),
         ("native F.rms_norm fwd, leaves need grad", lambda: F.rms_norm(xg, (n,), wg, 1e-6)),
         ("mk.rms_norm fwd, leaves need grad", lambda: mk.rms_norm(xg, wg)),
         ("native F.rms_norm fwd+bwd", fwdbwd(lambda a, b: F.rms_norm(a, (n,), b, 1e-6))),
         ("mk.rms_norm fwd+bwd", fwdbwd(mk.rms_norm)),
+        ("floor: an autograd.Function doing nothing (one empty_like), fwd+bwd", fwdbwd(_Nothing.apply)),
+        ("native F.layer_norm fwd+bwd", fwdbwd(lambda a, b: F.layer_norm(a, (n,), b, bg))),
+        ("mk.layer_norm fwd+bwd", fwdbwd(lambda a, b: mk.layer_norm(a, (n,), b, bg))),
+        ("native add + F.rms_norm fwd+bwd", fwdbwd(native_add)),
+        ("mk.add_rms_norm fwd+bwd", fwdbwd(lambda a, b: mk.add_rms_norm(a, rg, b))),
         ("our backward launcher K.norm_bwd", lambda: K.norm_bwd(dy, x, w, False, None, rstd, None, n, 0.0, True, True)),
     ]
     say(f"direct launcher output equals the JIT launch: {direct_ok}")
