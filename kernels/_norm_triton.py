@@ -157,6 +157,12 @@ def _norm_fwd_looped(
 
 
 @triton.jit
+def _add_pair(a1, a2, b1, b2):
+    """Combine function of a reduction over two tensors at once: elementwise sums."""
+    return a1 + b1, a2 + b2
+
+
+@triton.jit
 def _norm_bwd_fused(
     DY, XS, W, MEAN, RSTD, DRES, DX, PART,  # DY, XS, DRES, DX: (rows, N); W: (N,)
     # PART: fp32 partial sums, one row of N per program: dw's rows first, db's from element db_off
@@ -196,11 +202,12 @@ def _norm_bwd_fused(
             g = dy
         if HAS_B:
             db_acc += dy
-        c1 = tl.sum(g * xhat, axis=1) / N
         if IS_RMS:
+            c1 = tl.sum(g * xhat, axis=1) / N
             dx = (g - xhat * c1[:, None]) * rstd[:, None]
-        else:
-            dx = (g - (tl.sum(g, axis=1) / N)[:, None] - xhat * c1[:, None]) * rstd[:, None]
+        else:  # both row sums in one reduction: one cross-warp exchange per row instead of two
+            s1, s2 = tl.reduce((g * xhat, g), 1, _add_pair)
+            dx = (g - (s2 / N)[:, None] - xhat * (s1 / N)[:, None]) * rstd[:, None]
         if HAS_DRES:
             dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
