@@ -219,14 +219,27 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
         return None
     out0 = torch.empty(n, dtype=p_dtype, device=x2.device)
     out1 = torch.empty(n, dtype=p_dtype, device=x2.device) if nparts == 2 else out0
-    ncb = cdiv(n, _SUM_BLOCK_N)
-    _SUM(ncb * nparts, (part, out0, out1, grid, n, ncb), _SUM_CONSTS, 4)
+    block_n = sum_block_n(nparts * n, n_sm)
+    ncb = cdiv(n, block_n)
+    _SUM(ncb * nparts, (part, out0, out1, grid, n, ncb), _SUM_CONSTS[block_n], 4)
     return (out0, out1) if nparts == 2 else out0
 
 
-#: Tile of :func:`._norm_triton._sum_partials`: 32 partial rows x 64 columns per step, 4 warps.
-_SUM_BLOCK_N = 64
-_SUM_CONSTS = {"BLOCK_P": 32, "BLOCK_N": _SUM_BLOCK_N}
+#: Tiles of :func:`._norm_triton._sum_partials` as {columns: constexprs}: partial rows x columns summed per
+#: step by 4 warps, 16 elements per thread. One program per block of columns (per set), so narrow rows need
+#: narrow blocks to give every SM a program: at N = 2048 the 64-column tile made 32 programs, which took
+#: 12 µs on the H200 for what is a 2 MB read.
+_SUM_CONSTS = {16: {"BLOCK_P": 128, "BLOCK_N": 16}, 32: {"BLOCK_P": 64, "BLOCK_N": 32},
+               64: {"BLOCK_P": 32, "BLOCK_N": 64}}
+
+
+def sum_block_n(columns: int, n_sm: int) -> int:
+    """Column block of the partial-sum kernel: the widest of 64/32/16 that still makes ``n_sm`` programs
+    for ``columns`` columns in all (16 when none does)."""
+    for block_n in (64, 32):
+        if columns >= block_n * n_sm:
+            return block_n
+    return 16
 
 
 def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool,

@@ -58,14 +58,24 @@ def test_every_backward_setting_matches_float64(kind, rows, n, gen):
             assert_close(db, ref[2], dt, f"db {c}")
 
 
+@pytest.mark.parametrize("block_n", [16, 32, 64])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n_parts,n", [(1, 5), (33, 70), (70, 129)])
-def test_sum_partials_is_the_fp32_column_sum_of_each_set(n_parts, n, out_dtype, gen):
+@pytest.mark.parametrize("n_parts,n", [(1, 5), (33, 70), (70, 129), (130, 40)])
+def test_sum_partials_is_the_fp32_column_sum_of_each_set(n_parts, n, out_dtype, block_n, gen):
     part = torch.randn(2, n_parts, n, generator=gen).to(DEVICE)
     out0 = torch.full((n,), float("nan"), dtype=out_dtype, device=DEVICE)
     out1 = torch.full((n,), float("nan"), dtype=out_dtype, device=DEVICE)
-    ncb = -(-n // K._SUM_BLOCK_N)
-    _sum_partials[(2 * ncb,)](part, out0, out1, n_parts, n, ncb, **K._SUM_CONSTS, num_warps=4)
+    ncb = -(-n // block_n)
+    _sum_partials[(2 * ncb,)](part, out0, out1, n_parts, n, ncb, **K._SUM_CONSTS[block_n], num_warps=4)
     ref = part.double().sum(1).cpu()
     assert_close(out0, ref[0], out_dtype, "set 0")
     assert_close(out1, ref[1], out_dtype, "set 1")
+
+
+def test_sum_block_n_gives_every_sm_a_program():
+    """The widest column block that still makes one program per SM (132 on the H200), else the narrowest."""
+    assert K.sum_block_n(2048, 132) == 16  # 128 programs: the narrowest tile
+    assert K.sum_block_n(2 * 4096, 132) == 32  # LayerNorm's two sets at N = 4096: 256 programs
+    assert K.sum_block_n(8192, 132) == 32
+    assert K.sum_block_n(16384, 132) == 64
+    assert K.sum_block_n(64 * 132, 132) == 64 and K.sum_block_n(64 * 132 - 1, 132) == 32
