@@ -15,11 +15,12 @@ tensor past 2**31 elements and, with two GPUs, a tensor on the non-current
 device; (2) measures device-copy bandwidth (``dst.copy_(src)``, 1 GiB, reads +
 writes); (3) times forward and forward+backward of each op with
 ``triton.testing.do_bench`` (median; inputs require grad, as in training) for
-every provider, ``--repeats`` times with the providers interleaved (the median
-of those is reported, with our min-max), and again replayed from a CUDA graph
+every provider, and again replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``: the GPU time with the host's Python,
 dispatcher and autograd-engine time taken out, which eager timing includes
-whenever the host is slower than the GPU), and reports the time and the achieved bandwidth, i.e. the
+whenever the host is slower than the GPU), each ``--repeats`` times with the
+providers interleaved (the median is reported; for eager also our min-max),
+and reports the time and the achieved bandwidth, i.e. the
 minimal bytes of :mod:`mfuwatch.kernels.traffic` (forward reads x and writes
 y; backward reads x and dy and writes dx, plus the weight vectors) over the
 time, as a fraction of the copy bandwidth; (4) checks the goals of issue 4.
@@ -310,7 +311,7 @@ def copy_bandwidth():
         return float("nan")
     src = torch.empty(1 << 29, dtype=BF16, device=DEV).normal_()
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src), None)
+    ms = statistics.median(bench(lambda: dst.copy_(src), None) for _ in range(3))
     return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
@@ -321,37 +322,45 @@ TIE = 0.02
 
 
 def time_case(op, rows, h, gen):
-    """{provider: (fwd, fwd+bwd eager medians, fwd, fwd+bwd graph), ...} in ms, and the eager (min, max) ranges.
+    """{provider: (fwd, fwd+bwd eager medians, fwd, fwd+bwd graph medians), ...} in ms, and the eager (min, max).
 
-    Eager timing includes the host, and the same code's eager median moved by up to 2.8x between two
-    runs a few seconds apart on the H200 machine (``docs/benchmarks.md``): each provider is timed
-    ``--repeats`` times, the providers interleaved, and the median of those medians is reported.
+    Eager timing includes the host, and the same code's eager median moved by up to 2x between two
+    runs on the H200 machines (``docs/benchmarks.md``). Every provider is timed ``--repeats`` times,
+    eager and graph, the providers interleaved so that none is always measured first (clock ramp,
+    memory state), and the median of those medians is reported.
     """
     ins = make_inputs(op, rows, h, gen)
     grads = out_grads(op, ins, gen)
     fns = {k: v for k, v in providers(op, ins).items() if v is not None}
-    eager = {name: ([], []) for name in fns}
+    times = {name: ([], [], [], []) for name in fns}
     for _ in range(max(1, ARGS.repeats)):
         for name, fn in fns.items():
-            if name not in eager:
+            if name not in times:
                 continue
+            t = times[name]
             try:
-                eager[name][0].append(bench(lambda: fn(*ins), ins))
-                eager[name][1].append(bench(lambda: run_fwd_bwd(fn, ins, grads), ins))
+                t[0].append(bench(lambda: fn(*ins), ins))
+                t[1].append(bench(lambda: run_fwd_bwd(fn, ins, grads), ins))
             except Exception as exc:  # noqa: BLE001 - a failing baseline is reported, not fatal
                 print(f"  {op} {rows}x{h} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-                del eager[name]
+                del times[name]
+                continue
+            t[2].append(bench_graph(lambda: fn(*ins), ins))
+            t[3].append(bench_graph(lambda: run_fwd_bwd(fn, ins, grads), ins))
     res = {name: (None, None, None, None) for name in PROVIDERS}
     ranges = {}
-    for name, (f, fb) in eager.items():
-        fn = fns[name]
-        gf = bench_graph(lambda: fn(*ins), ins)
-        gfb = bench_graph(lambda: run_fwd_bwd(fn, ins, grads), ins)
-        res[name] = (statistics.median(f), statistics.median(fb), gf, gfb)
-        ranges[name] = ((min(f), max(f)), (min(fb), max(fb)))
+    for name, t in times.items():
+        res[name] = tuple(_median(v) for v in t)
+        ranges[name] = ((min(t[0]), max(t[0])), (min(t[1]), max(t[1])))
     if DEV == "cuda":
         torch.cuda.empty_cache()  # the inputs are freed when this returns; the cache is for the next shape
     return res, ranges
+
+
+def _median(values):
+    """Median of the timings that exist (a graph capture that failed gives None), or None."""
+    ok = [v for v in values if v is not None]
+    return statistics.median(ok) if ok else None
 
 
 def cell(ms, by, bw):
