@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from mfuwatch.kernels import _glu_triton as G, _norm_triton as K
+    from mfuwatch.kernels import _glu_triton as G, _norm_launch as L, _norm_triton as K
 
     target = GPUTarget("cuda", 90, 32)
     n = 0
@@ -50,8 +50,9 @@ SCRIPT = textwrap.dedent(
             comp(G._glu_bwd_elementwise, dict(DY=p, G=p, U=p, DG=p, DU=p, stride_dy="i32", stride_g="i32",
                                              stride_u="i32", N="i64", n_col_blocks="i32"), dict(ACT=act, BLOCK=2048), 8)
     for dt in ("bf16", "fp32"):
-        comp(K._sum_partials, dict(P="*fp32", OUT0="*" + dt, OUT1="*" + dt, n_parts="i32", N="i32",
-                                   n_col_blocks="i32"), dict(BLOCK_P=32, BLOCK_N=64), 4)
+        for tile in L._SUM_CONSTS.values():  # every tile the launcher uses (three)
+            comp(K._sum_partials, dict(P="*fp32", OUT0="*" + dt, OUT1="*" + dt, n_parts="i32", N="i32",
+                                       n_col_blocks="i32"), tile, 4)
     print("compiled", n)
     """
 )
@@ -66,4 +67,4 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
-    assert proc.stdout.strip().endswith("compiled 35"), proc.stdout
+    assert proc.stdout.strip().endswith("compiled 39"), proc.stdout
