@@ -41,8 +41,8 @@ P = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 P.add_argument("--quick", action="store_true", help="fewer shapes and shorter timing runs")
 P.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes (plumbing check)")
 P.add_argument("--repeats", type=int, default=3,
-               help="eager timings of each provider, interleaved; the median is reported (default 3; eager "
-                    "times include the host, whose speed on a shared machine moves between runs)")
+               help="timings of each provider, eager and graph, interleaved; the median is reported (default 3; "
+                    "eager times include the host, whose speed on a shared machine moves between runs)")
 P.add_argument("--no-graphs", action="store_true",
                help="skip the second timing table (CUDA-graph replay: GPU time without host overhead)")
 ARGS = P.parse_args() if __name__ == "__main__" else P.parse_args([])
@@ -324,7 +324,7 @@ TIE = 0.02
 def time_case(op, rows, h, gen):
     """{provider: (fwd, fwd+bwd eager medians, fwd, fwd+bwd graph medians), ...} in ms, and the eager (min, max).
 
-    Eager timing includes the host, and the same code's eager median moved by up to 2x between two
+    Eager timing includes the host, and the same code's eager median moved by up to 2.8x between two
     runs on the H200 machines (``docs/benchmarks.md``). Every provider is timed ``--repeats`` times,
     eager and graph, the providers interleaved so that none is always measured first (clock ramp,
     memory state), and the median of those medians is reported.

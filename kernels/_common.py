@@ -174,13 +174,6 @@ def _triton_runtime_knobs():
         return None
 
 
-def _int_key(a: int) -> int:
-    """What Triton specialises an int argument on: equal to 1, divisible by 16, fitting in int32."""
-    if a == 1:
-        return 1
-    return (2 if a % 16 == 0 else 3) if -0x80000000 <= a <= 0x7FFFFFFF else (4 if a % 16 == 0 else 5)
-
-
 def _direct_args(args: tuple) -> Tuple[tuple, list]:
     """``(specialisation key, launch arguments)`` of a launch's runtime arguments.
 
@@ -199,8 +192,9 @@ def _direct_args(args: tuple) -> Tuple[tuple, list]:
     call = []
     for a in args:
         c = a.__class__
-        if c is int:
-            key.append(_int_key(a))
+        if c is int:  # Triton's int classes: equal to 1, divisible by 16, fitting in int32
+            key.append(1 if a == 1 else (2 if a % 16 == 0 else 3) if -0x80000000 <= a <= 0x7FFFFFFF
+                       else (4 if a % 16 == 0 else 5))
             call.append(a)
         elif c is float:
             key.append(0)

@@ -227,7 +227,7 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
 
 #: Tiles of :func:`._norm_triton._sum_partials` as {columns: constexprs}: partial rows x columns summed per
 #: step by 4 warps, 16 elements per thread. One program per block of columns (per set), so narrow rows need
-#: narrow blocks to give every SM a program: at N = 2048 the 64-column tile made 32 programs, which took
+#: narrow blocks to give about every SM a program: at N = 2048 the 64-column tile made 32 programs, which took
 #: 12 µs on the H200 for what is a 2 MB read.
 _SUM_CONSTS = {16: {"BLOCK_P": 128, "BLOCK_N": 16}, 32: {"BLOCK_P": 64, "BLOCK_N": 32},
                64: {"BLOCK_P": 32, "BLOCK_N": 64}}
