@@ -34,9 +34,10 @@ What lives here, and why it is shared:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from typing import Any, Callable, Dict, Hashable, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,6 +92,42 @@ def interpreter_index_fix() -> bool:
 
 
 interpreter_index_fix()
+
+
+def first_order_only(backward: Callable) -> Callable:
+    """Decorator for the ``backward`` of the fused ops' ``autograd.Function``: differentiable once, and a clear
+    error when differentiated twice.
+
+    The kernels have no second derivative. Like ``torch.autograd.function.once_differentiable``, the
+    backward runs without grad mode and, when the caller asked for a graph (``create_graph=True``), its
+    results are marked so that differentiating them raises "differentiate twice". Torch's decorator
+    marks them only when an incoming gradient requires grad; ours also does when a saved input does
+    (``x``, the weight). Without that, ``grad(y.sum(), x, create_graph=True)`` returned a gradient that
+    silently counted as a constant in a later backward.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # the usual backward: nothing more to do
+            return outputs
+        if not any(t is not None and t.requires_grad for t in (*grads, *ctx.saved_tensors)):
+            return outputs
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        err = torch._C._functions.DelayedError(
+            b"mfuwatch.kernels: trying to differentiate twice an op whose fused kernels are differentiable once "
+            b"(use the PyTorch op for higher-order gradients)", len(outs))
+
+        def marked(t):
+            if t is None:
+                return None
+            t = t.detach()
+            t.requires_grad = True
+            return t
+        return err(*[marked(t) for t in outs])
+
+    return wrapper
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -409,6 +446,15 @@ def use_custom_op(*tensors) -> bool:
         if t is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             return True
     return False
+
+
+def check_rms_inputs(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
+    """ValueError for a 0-d ``x``, or a ``weight`` not shaped ``(x.shape[-1],)`` (as ``F.rms_norm`` requires of
+    its weight: the RMSNorm functionals normalise the last dimension; the modules flatten several)."""
+    if x.dim() == 0:
+        raise ValueError("input is a 0-d tensor: RMSNorm needs at least one dimension to normalise over")
+    if weight is not None and tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},), the input's last dimension")
 
 
 #: RMSNorm casting modes (see :mod:`.rmsnorm`).

@@ -21,11 +21,10 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import resolve_casting, use_custom_op
+from ._common import check_rms_inputs, first_order_only, resolve_casting, use_custom_op
 
 
 @torch.library.custom_op("mfuwatch::add_rms_norm", mutates_args=())
@@ -119,7 +118,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         return y, s
 
     @staticmethod
-    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
+    @first_order_only  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy, dres):
         s, weight, rstd = ctx.saved_tensors
         if dy is None:
@@ -142,11 +141,12 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     Returns:
         ``(normed, new_residual)``, both shaped like ``x`` and contiguous.
     Raises:
-        ValueError: shapes differ (both printed), weight size != N, unknown casting.
+        ValueError: shapes differ (both printed), weight not shaped (N,), a 0-d ``x``, unknown casting.
     """
     llama = resolve_casting(casting, offset)
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    check_rms_inputs(x, weight)
     if use_custom_op(x, residual, weight):
         y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, float(eps), float(offset), llama)
         return y, s

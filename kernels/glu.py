@@ -14,11 +14,10 @@ from typing import Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _glu_triton as K
-from ._common import use_custom_op
+from ._common import first_order_only, use_custom_op
 
 _APPROX = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -117,7 +116,7 @@ class GLUFunction(torch.autograd.Function):
         return K.glu_fwd(gate, up, activation)
 
     @staticmethod
-    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
+    @first_order_only  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
         dg, du = K.glu_bwd(dy, gate, up, ctx.activation)

@@ -15,11 +15,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import use_custom_op
+from ._common import first_order_only, use_custom_op
 
 
 def _numel(x: Tensor, n_dims: int) -> int:
@@ -104,7 +103,7 @@ class LayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
+    @first_order_only  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = K.norm_bwd(dy, x, weight, ctx.has_bias, mean, rstd, None, _numel(x, ctx.n_dims), 0.0,

@@ -28,11 +28,10 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import resolve_casting, use_custom_op
+from ._common import check_rms_inputs, first_order_only, resolve_casting, use_custom_op
 from .add_rmsnorm import add_rms_norm
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)
@@ -109,7 +108,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # a clear error for double backward (the kernels have no second derivative)
+    @first_order_only  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw, _ = K.norm_bwd(dy, x, weight, False, None, rstd, None, x.shape[-1], ctx.offset, True,
@@ -134,11 +133,10 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
         Tensor shaped like ``x``, contiguous; dtype ``promote(x, weight)`` under
         Llama casting with a weight, else ``x.dtype``.
     Raises:
-        ValueError: weight size != N, a 0-d ``x``, or an unknown casting mode.
+        ValueError: weight not shaped (N,), a 0-d ``x``, or an unknown casting mode.
     """
     llama = resolve_casting(casting, offset)
-    if x.dim() == 0:
-        raise ValueError("input is a 0-d tensor: RMSNorm needs at least one dimension to normalise over")
+    check_rms_inputs(x, weight)
     if eps is None:  # as torch.nn.functional.rms_norm
         eps = torch.finfo(x.dtype).eps
     if use_custom_op(x, weight):

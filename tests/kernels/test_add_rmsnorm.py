@@ -88,3 +88,7 @@ def test_custom_op_path_equals_fast_path(monkeypatch, gen):
 def test_shape_mismatch_names_both_shapes():
     with pytest.raises(ValueError, match=r"residual shape \(2, 7\) != input shape \(2, 8\)"):
         add_rms_norm(torch.randn(2, 8, device=DEVICE), torch.randn(2, 7, device=DEVICE), None)
+    with pytest.raises(ValueError, match=r"weight shape \(1, 8\) != \(8,\)"):
+        add_rms_norm(torch.randn(2, 8, device=DEVICE), torch.randn(2, 8, device=DEVICE), torch.ones(1, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="0-d tensor"):
+        add_rms_norm(torch.tensor(1.0, device=DEVICE), torch.tensor(2.0, device=DEVICE), None)

@@ -156,14 +156,30 @@ def test_ops_first_used_inside_an_open_flop_counter_are_counted():
     assert total == first + 120 * (7 + 13)
 
 
+@pytest.mark.parametrize("loss", ["square", "sum"])
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm", "swiglu"])
-def test_double_backward_says_so(op):
+def test_double_backward_says_so(op, loss):
+    """Differentiating a gradient of a fused op raises, also when the incoming gradient is a constant
+    (``y.sum()``: ones), where torch's ``once_differentiable`` returned a gradient that silently counted
+    as a constant in the second backward."""
     import mfuwatch.kernels as mk
 
     x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
     w = torch.randn(8, device=DEVICE, requires_grad=True)
     out = {"rms_norm": lambda: mk.rms_norm(x, w), "layer_norm": lambda: mk.layer_norm(x, (8,), w),
            "add_rms_norm": lambda: mk.add_rms_norm(x, x * 2, w)[0], "swiglu": lambda: mk.swiglu(x, x * 3)}[op]()
-    (g,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    (g,) = torch.autograd.grad(out.pow(2).sum() if loss == "square" else out.sum(), x, create_graph=True)
+    assert g.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.sum().backward()
+        (out.pow(2).sum() + g.pow(2).sum()).backward()
+
+
+def test_first_order_gradient_under_create_graph_is_unchanged():
+    """create_graph=True without a second backward gives the same first-order gradient as a plain backward."""
+    import mfuwatch.kernels as mk
+
+    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, device=DEVICE, requires_grad=True)
+    (g1,) = torch.autograd.grad(mk.rms_norm(x, w).sum(), x, create_graph=True)
+    (g0,) = torch.autograd.grad(mk.rms_norm(x, w).sum(), x)
+    assert torch.equal(g1.detach(), g0)

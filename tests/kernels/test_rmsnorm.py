@@ -176,8 +176,10 @@ def test_module_gemma_init_and_residual_form(gen):
 
 
 def test_errors_name_both_sizes():
-    with pytest.raises(ValueError, match="7 elements, expected 8"):
+    with pytest.raises(ValueError, match=r"weight shape \(7,\) != \(8,\)"):
         rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(7, device=DEVICE))
+    with pytest.raises(ValueError, match=r"weight shape \(1, 8\) != \(8,\)"):  # as F.rms_norm: no broadcasting
+        rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(1, 8, device=DEVICE))
     with pytest.raises(ValueError, match="casting"):
         rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(8, device=DEVICE), casting="gemma")
     with pytest.raises(ValueError, match="input dtype torch.float64 is not supported"):
