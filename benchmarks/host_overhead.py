@@ -267,7 +267,7 @@ def part4():
     from mfuwatch.kernels._common import pow2_at_least, sm_count
     say("## Backward settings (rms_norm, bf16): do_bench median µs of the two backward launches")
     say("")
-    say("| shape | (programs/SM, warps, rows per step) | µs | % of copy |")
+    say("| shape | (programs/SM, warps, rows per step, maxnreg) | µs | % of copy |")
     say("|---|---|---:|---:|")
     bw = copy_bw()
     for rows, n in ((8192, 4096), (16384, 4096), (16384, 8192)):

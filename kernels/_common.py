@@ -258,13 +258,16 @@ def _hook_set(hook: Any) -> bool:
 class Launcher:
     """Launches one ``@triton.jit`` kernel with little host time per call.
 
-    ``Launcher(fn)(grid, args, consts, num_warps)`` runs ``fn[(grid,)](*args,
-    **consts, num_warps=num_warps)``. ``args`` are the kernel's runtime
+    ``Launcher(fn)(grid, args, consts, num_warps, maxnreg)`` runs ``fn[(grid,)](*args,
+    **consts, num_warps=num_warps, maxnreg=maxnreg)``. ``args`` are the kernel's runtime
     arguments (tensors, ints, floats) in signature order; ``consts`` its
     ``tl.constexpr`` arguments, which must follow them in the signature, in
-    signature order.
+    signature order. ``maxnreg`` (optional) caps the registers per thread
+    (Triton's CUDA option of that name, PTX ``.maxnreg``), so that more programs fit
+    on an SM at the price of spills; None leaves the choice to the compiler.
+    The interpreter ignores it.
 
-    The first call for a given specialisation (device, ``num_warps``, the
+    The first call for a given specialisation (device, ``num_warps``, ``maxnreg``, the
     constexpr values, and per argument what Triton specialises on: dtype and
     16-byte alignment of tensors; ints equal to 1, divisible by 16, or past
     int32) goes through Triton's JIT, which compiles or loads the kernel and
@@ -285,18 +288,19 @@ class Launcher:
         self._cache: Dict[Hashable, Any] = {}
         self._rt = _triton_runtime_knobs()
 
-    def __call__(self, grid: int, args: tuple, consts: Dict[str, Any], num_warps: int) -> None:
+    def __call__(self, grid: int, args: tuple, consts: Dict[str, Any], num_warps: int,
+                 maxnreg: Optional[int] = None) -> None:
         rt = self._rt
         if rt is None or _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook):
-            self.fn[(grid,)](*args, **consts, num_warps=num_warps)
+            self._jit(grid, args, consts, num_warps, maxnreg)
             return
         dev = _current_device()
         cvals = tuple(consts.values())
         akey, call = _direct_args(args)
-        key = (dev, num_warps, cvals, akey)
+        key = (dev, num_warps, maxnreg, cvals, akey)
         entry = self._cache.get(key)
         if entry is None:
-            k = self.fn[(grid,)](*args, **consts, num_warps=num_warps)
+            k = self._jit(grid, args, consts, num_warps, maxnreg)
             if hasattr(k, "result"):  # an asynchronous compile's future
                 k = k.result()
             names = list(getattr(self.fn, "arg_names", ()))
@@ -305,10 +309,16 @@ class Launcher:
             self._cache[key] = (k.run, k.function, k.packed_metadata) if ok else False
             return
         if entry is False:
-            self.fn[(grid,)](*args, **consts, num_warps=num_warps)
+            self._jit(grid, args, consts, num_warps, maxnreg)
             return
         run, function, meta = entry
         run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(dev), function, meta, None, None, None, *call, *cvals)
+
+    def _jit(self, grid: int, args: tuple, consts: Dict[str, Any], num_warps: int, maxnreg: Optional[int]) -> Any:
+        """Triton's own launch (compiles or loads on first use); returns what Triton returns."""
+        if maxnreg is None:
+            return self.fn[(grid,)](*args, **consts, num_warps=num_warps)
+        return self.fn[(grid,)](*args, **consts, num_warps=num_warps, maxnreg=maxnreg)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -33,11 +33,20 @@ LOOP_BLOCK = 4096
 
 
 def _fwd_candidates(block_n: int):
-    """(ROWS, num_warps) settings to try for the fused forward; the heuristic default first.
+    """(ROWS, num_warps, loop chunk) settings to try for the forward; the heuristic default first.
 
-    4 to 16 elements per thread: more costs registers (fewer resident programs,
-    fewer bytes in flight), fewer leaves warps idle on short rows (sm_90
-    compiles of these settings use 30-110 registers per thread).
+    Fused (chunk 0): the row in registers, ``ROWS`` rows per program, 4 to 16
+    elements per thread: more costs registers (fewer resident programs, fewer
+    bytes in flight), fewer leaves warps idle on short rows (sm_90 compiles of
+    these settings use 30-110 registers per thread). Looped (chunk > 0, rows of
+    more than 1,024 elements): :func:`._norm_triton._norm_fwd_looped` with the row
+    width compiled in, one row per program walked in chunks of that many
+    elements, the later passes from L2. On the H200 the looped kernel with a
+    compile-time width matched ``torch.compile``'s two-pass kernel where the fused
+    one was 3-6% behind (rms_norm 16384 x 8192: 127.0 against 135.1 µs) and cut
+    the LayerNorm forward at 16384 x 8192 from 148 to 132 µs; with the width at
+    run time it was up to 40% slower (``benchmarks/explore_run5.py E``,
+    ``docs/gpu-runs/kernels-run5-notes.md``).
     """
     base = max(1, 2048 // block_n)
     out = []
@@ -45,25 +54,42 @@ def _fwd_candidates(block_n: int):
         tile = rows * block_n
         default_w = max(1, min(32, tile // 512))
         ws = [default_w] + [w for w in (4, 8, 16, 32) if w != default_w and 4 <= tile // (32 * w) <= 16]
-        out += [(rows, w) for w in ws]
+        out += [(rows, w, 0) for w in ws]
+    if block_n >= 2048:
+        out += [(1, w, chunk) for chunk, w in _LOOP_FWD if chunk <= block_n]
     return out
 
 
-def _bwd_candidates(block_n: int):
-    """(programs per SM, num_warps, rows per step) settings for the fused backward; the default first.
+#: (chunk, warps) settings of the looped forward offered to the tuner for rows of more than 1,024 elements: the
+#: fastest three of nine on the H200 at 8192 and 4096 wide rows (``benchmarks/explore_run5.py E``).
+_LOOP_FWD = ((2048, 8), (4096, 8), (4096, 16))
 
-    At most 8 elements of a row per thread: the loop keeps x, dy, w, xhat and
-    the dw/db accumulators in registers, and 16 elements per thread already
-    take 150-250 registers on sm_90 (one resident program per SM). Two rows
-    per step double the loads each program has in flight, for twice the
-    registers; measured on the H200 (``benchmarks/host_overhead.py``), two
-    programs per SM with 16 warps (32 at N = 8192) was the fastest one-row
-    setting.
+
+def _bwd_candidates(block_n: int):
+    """(programs per SM, num_warps, rows per step, maxnreg) settings for the fused backward; the default first.
+
+    At most 8 elements of a row per thread by default: the loop keeps x, dy, w,
+    xhat and the dw/db accumulators in registers, and 16 elements per thread
+    already take 150-250 registers on sm_90 (one resident program per SM). Two
+    rows per step double the loads each program has in flight, for more
+    registers. Two extra settings come from a sweep on the H200
+    (``benchmarks/explore_run5.py``, ``docs/gpu-runs/kernels-run5-notes.md``): at
+    N = 4096, two rows per step on 16 warps with the registers capped at 64
+    (``maxnreg``, so that two programs share an SM) was 10-12% faster than the
+    best uncapped setting for rms_norm and add_rms_norm; at N = 8192, two rows
+    per step on 16 warps (16 elements of a row per thread) was 1-4% faster than
+    on 32 warps. LayerNorm, with its second accumulator, was slower under both:
+    the tuner measures and keeps the fastest.
     """
     default_w = max(1, min(32, block_n // 256))
     ws = [default_w] + [w for w in (4, 8, 16, 32) if w != default_w and 2 <= block_n // (32 * w) <= 8]
     rows = (1, 2) if block_n <= 8192 else (1,)
-    return [(per_sm, w, r) for r in rows for w in ws[:2] for per_sm in (2, 4, 1)]
+    out = [(per_sm, w, r, None) for r in rows for w in ws[:2] for per_sm in (2, 4, 1)]
+    if block_n == 4096:
+        out.append((2, 16, 2, 64))
+    elif block_n == 8192:
+        out += [(2, 16, 2, None), (1, 16, 2, None)]
+    return out
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -151,26 +177,32 @@ def norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[tor
     if plan is None:
         flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res, LLAMA_CAST=llama_cast)
 
+        def plan_of(c):
+            if c[2]:  # looped: one row per program, chunks of c[2] elements
+                return (_FWD_LOOPED, 1, dict(flags, BLOCK_N=c[2], N_FIXED=n), c[1])
+            return (_FWD, c[0], dict(flags, ROWS=c[0], BLOCK_N=block_n), c[1])
+
         def launch(c):
-            _FWD(cdiv(rows, c[0]), args, dict(flags, ROWS=c[0], BLOCK_N=block_n), c[1])
+            p = plan_of(c)
+            p[0](cdiv(rows, p[1]), args, p[2], p[3])
 
         with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
             c = tuned("norm_fwd", dev, (n, x.dtype, y_dtype, tuple(flags.values()), row_bucket(rows)),
                       lambda: _fwd_candidates(block_n), launch, rows * n)
-        plan = (c[0], dict(flags, ROWS=c[0], BLOCK_N=block_n), c[1])
+        plan = plan_of(c)
         if not _capturing(x):
             _FWD_SETTINGS[key] = plan
     if switch:
         with torch.cuda.device(dev):
-            _FWD(cdiv(rows, plan[0]), args, plan[1], plan[2])
+            plan[0](cdiv(rows, plan[1]), args, plan[2], plan[3])
     else:
-        _FWD(cdiv(rows, plan[0]), args, plan[1], plan[2])
+        plan[0](cdiv(rows, plan[1]), args, plan[2], plan[3])
     return y, s, mean, rstd
 
 
 def _launch_fwd_looped(rows, args, is_rms, has_w, has_b, has_res, llama_cast):
     _FWD_LOOPED(rows, args, dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_RES=has_res, LLAMA_CAST=llama_cast,
-                                 BLOCK_N=LOOP_BLOCK), 8)
+                                 BLOCK_N=LOOP_BLOCK, N_FIXED=0), 8)
 
 
 def _vec(p: torch.Tensor, n: int) -> torch.Tensor:
@@ -187,8 +219,8 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 #: Launch settings by cheap key, filled on first use: a cache hit is one dict lookup.
-_FWD_SETTINGS: Dict[tuple, Tuple[int, Dict[str, object], int]] = {}  # (rows per program, constexprs, warps)
-_BWD_SETTINGS: Dict[tuple, Tuple[int, int, int]] = {}  # (programs per SM, warps, rows per step)
+_FWD_SETTINGS: Dict[tuple, Tuple[Launcher, int, Dict[str, object], int]] = {}  # (kernel, rows/program, consts, warps)
+_BWD_SETTINGS: Dict[tuple, Tuple[int, int, int, Optional[int]]] = {}  # (per SM, warps, rows per step, maxnreg)
 
 
 def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w, has_b, is_rms, has_dres,
@@ -214,7 +246,7 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
     if looped:
         _BWD_LOOPED(grid, args, dict(flags, BLOCK_N=LOOP_BLOCK), 8)
     else:
-        _BWD(grid, args, dict(flags, ROWS=c[2], BLOCK_N=pow2_at_least(n)), c[1])
+        _BWD(grid, args, dict(flags, ROWS=c[2], BLOCK_N=pow2_at_least(n)), c[1], c[3])
     if part is None:
         return None
     out0 = torch.empty(n, dtype=p_dtype, device=x2.device)
@@ -284,7 +316,7 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
     n_sm = sm_count(dev)
     switch = needs_device_switch(xs)
     if looped:
-        c = (4, 8, 1)
+        c = (4, 8, 1, None)
     else:
         key = (dev.index, n, xs.dtype, p_dtype, is_rms, has_w, has_bias, dres is not None, llama_cast,
                row_bucket(rows), rows * n >= MIN_TUNE_ELEMENTS)

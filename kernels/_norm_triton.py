@@ -40,7 +40,13 @@ Layout of the work:
   the H200: ``benchmarks/host_overhead.py``);
 * *looped* kernels handle rows wider than the register budget
   (``_norm_launch.FWD_MAX_FUSED``/``BWD_MAX_FUSED``) by walking the row in ``LOOP_BLOCK``
-  chunks: two or three passes, the extra passes served mostly from L2.
+  chunks: two or three passes, the extra passes served mostly from L2 (the
+  forward's early passes load with ``evict_last``, its last pass with
+  ``evict_first``; with a residual, they re-read ``s`` instead of ``x`` and
+  the residual). With the row width compiled in (``N_FIXED``), the looped
+  forward is also a tuner candidate for rows of more than 1,024 elements, where
+  its smaller register footprint can beat the fused kernel (as
+  ``torch.compile``'s two-pass reduction did at 16384 x 8192).
 
 Row offsets are computed in int64 (``program_id(0).to(tl.int64)``), so
 tensors past 2**31 elements are addressed correctly.
@@ -53,11 +59,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_s(X, R, x_off, r_off, mask, HAS_RES: tl.constexpr, S_TY: tl.constexpr):
-    """fp32 value of s = x (+ r rounded to the residual stream dtype ``S_TY``)."""
-    x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+def _load(P, off, mask, EVICT: tl.constexpr):
+    """fp32 load with an L2 eviction hint: 0 none, 1 ``evict_last`` (read again soon), 2 ``evict_first`` (last read)."""
+    if EVICT == 1:
+        v = tl.load(P + off, mask=mask, other=0.0, eviction_policy="evict_last")
+    elif EVICT == 2:
+        v = tl.load(P + off, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(P + off, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _load_s(X, R, x_off, r_off, mask, HAS_RES: tl.constexpr, S_TY: tl.constexpr, EVICT: tl.constexpr = 0):
+    """fp32 value of s = x (+ r rounded to the residual stream dtype ``S_TY``); ``EVICT`` as in :func:`_load`."""
+    x = _load(X, x_off, mask, EVICT)
     if HAS_RES:
-        r = tl.load(R + r_off, mask=mask, other=0.0).to(tl.float32)
+        r = _load(R, r_off, mask, EVICT)
         x = (x + r).to(S_TY).to(tl.float32)
     return x
 
@@ -107,8 +125,10 @@ def _norm_fwd_looped(
     stride_x, stride_r, stride_y, stride_s,
     n_rows, N, eps, offset,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_RES: tl.constexpr,
-    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr, N_FIXED: tl.constexpr,
 ):
+    if N_FIXED > 0:  # the row width as a compile-time constant (one compile per width): loops of known trip count
+        N = N_FIXED
     row = tl.program_id(0).to(tl.int64)  # one row per program
     cols0 = tl.arange(0, BLOCK_N)
     # pass 1: the residual sum (stored) and sum(s) or sum(s^2)
@@ -116,13 +136,22 @@ def _norm_fwd_looped(
     for off in range(0, N, BLOCK_N):
         cols = off + cols0
         m = cols < N
-        x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty)
-        if HAS_RES:
+        if HAS_RES:  # x and r are read once: the later passes re-read s, written here
+            x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty, 2)
             tl.store(S + row * stride_s + cols, x.to(S.dtype.element_ty), mask=m)
+        else:
+            x = _load(X, row * stride_x + cols, m, 1)
         if IS_RMS:
             acc += x * x
         else:
             acc += x
+    if HAS_RES:
+        tl.debug_barrier()  # s of this row is re-read below, possibly by other threads of the program
+        SRC = S
+        stride_src = stride_s
+    else:
+        SRC = X
+        stride_src = stride_x
     if IS_RMS:
         mean = 0.0
         var = tl.sum(acc, axis=0) / N
@@ -133,7 +162,7 @@ def _norm_fwd_looped(
         for off in range(0, N, BLOCK_N):  # pass 2 (LayerNorm): centred variance
             cols = off + cols0
             m = cols < N
-            x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty)
+            x = _load(SRC, row * stride_src + cols, m, 1)
             xc = tl.where(m, x - mean, 0.0)
             acc2 += xc * xc
         var = tl.sum(acc2, axis=0) / N
@@ -142,7 +171,7 @@ def _norm_fwd_looped(
     for off in range(0, N, BLOCK_N):  # last pass: normalise, scale, shift
         cols = off + cols0
         m = cols < N
-        x = _load_s(X, R, row * stride_x + cols, row * stride_r + cols, m, HAS_RES, S.dtype.element_ty)
+        x = _load(SRC, row * stride_src + cols, m, 2)
         y = (x - mean) * rstd
         if HAS_W:
             if LLAMA_CAST:
@@ -150,9 +179,9 @@ def _norm_fwd_looped(
                     y = y.to(S.dtype.element_ty).to(tl.float32)
                 else:
                     y = y.to(X.dtype.element_ty).to(tl.float32)
-            y = y * (tl.load(W + cols, mask=m, other=0.0).to(tl.float32) + offset)
+            y = y * (_load(W, cols, m, 1) + offset)
         if HAS_B:
-            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+            y = y + _load(B, cols, m, 1)
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
@@ -176,8 +205,10 @@ def _norm_bwd_fused(
     cmask = cols < N
     if HAS_W:
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    # one (BLOCK_N,) accumulator each: the ROWS rows of a step sum inside each thread (the rows of a tile
+    # sit in the same thread's registers), and a (ROWS, BLOCK_N) one cost ROWS times the registers
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_N], tl.float32)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, n_rows)
     n_steps = (row_end - row_start + ROWS - 1) // ROWS  # plain arithmetic: a 0-d value in every interpreter
@@ -195,13 +226,13 @@ def _norm_bwd_fused(
         if HAS_W:
             g = dy * w[None, :]
             if LLAMA_CAST:
-                dw_acc += dy * xhat.to(XS.dtype.element_ty).to(tl.float32)
+                dw_acc += tl.sum(dy * xhat.to(XS.dtype.element_ty).to(tl.float32), axis=0)
             else:
-                dw_acc += dy * xhat
+                dw_acc += tl.sum(dy * xhat, axis=0)
         else:
             g = dy
         if HAS_B:
-            db_acc += dy
+            db_acc += tl.sum(dy, axis=0)
         if IS_RMS:
             c1 = tl.sum(g * xhat, axis=1) / N
             dx = (g - xhat * c1[:, None]) * rstd[:, None]
@@ -212,9 +243,9 @@ def _norm_bwd_fused(
             dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_W:
-        tl.store(PART + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
+        tl.store(PART + pid * N + cols, dw_acc, mask=cmask)
     if HAS_B:
-        tl.store(PART + db_off + pid * N + cols, tl.sum(db_acc, axis=0), mask=cmask)
+        tl.store(PART + db_off + pid * N + cols, db_acc, mask=cmask)
 
 
 @triton.jit

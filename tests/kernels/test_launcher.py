@@ -72,7 +72,8 @@ def test_second_call_with_same_specialisation_is_direct_with_all_arguments_in_or
                             True, 128)
 
 
-@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_not_div16", "int64", "consts", "warps"])
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int_is_one", "int_not_div16", "int64", "consts", "warps",
+                                    "maxnreg"])
 def test_a_different_specialisation_goes_through_the_jit(fast, change):
     make, _ = fast
     fn, lau = make(["X", "n", "B"])
@@ -93,10 +94,28 @@ def test_a_different_specialisation_goes_through_the_jit(fast, change):
         n = 2 ** 33
     elif change == "consts":
         consts = {"B": 2}
+    elif change == "maxnreg":
+        lau(1, (x, n), consts, warps, 64)
+        assert kinds(fn.log) == ["jit", "direct", "jit"]
+        return
     else:
         warps = 8
     lau(1, (x, n), consts, warps)
     assert kinds(fn.log) == ["jit", "direct", "jit"]
+
+
+def test_maxnreg_reaches_triton_only_when_set(fast):
+    """A register cap is a compile option: passed to Triton's launch as ``maxnreg``, and absent (the compiler's
+    choice) when None, so that a Triton without the option still runs the uncapped settings."""
+    make, _ = fast
+    fn, lau = make(["X", "B"])
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    lau(1, (x,), {"B": 1}, 16, 64)
+    lau(1, (x,), {"B": 1}, 16, None)
+    assert fn.log[0][3] == {"B": 1, "num_warps": 16, "maxnreg": 64}
+    assert fn.log[1][3] == {"B": 1, "num_warps": 16}
+    lau(1, (x,), {"B": 1}, 16, 64)  # the capped kernel again: direct
+    assert kinds(fn.log) == ["jit", "jit", "direct"]
 
 
 def test_specialisation_key_classes():

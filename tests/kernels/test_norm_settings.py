@@ -79,3 +79,55 @@ def test_sum_block_n_gives_every_sm_a_program():
     assert K.sum_block_n(8192, 132) == 32
     assert K.sum_block_n(16384, 132) == 64
     assert K.sum_block_n(64 * 132, 132) == 64 and K.sum_block_n(64 * 132 - 1, 132) == 32
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_wide_row_backward_settings_match_float64(n, gen):
+    """The settings added for N = 4096/8192 (16 warps, two rows per step, a register cap at 4096) launch through
+    the same path and give the float64 gradients (the interpreter ignores the cap; the GPU suite runs it)."""
+    dt, rows = torch.float32, 5
+    x = torch.randn(rows, n, generator=gen).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE)
+    dy = torch.randn(rows, n, generator=gen).to(DEVICE)
+    _, _, _, rstd = K.norm_fwd(x, w, None, None, n, 1e-5, 0.0, True, False)
+    ref = reference("rms", x.cpu(), w.cpu(), None, dy.cpu(), None, 1e-5)
+    cands = K._bwd_candidates(pow2_at_least(n))
+    extra = [c for c in cands if c[1] == 16 and c[2] == 2]
+    assert extra and all(len(c) == 4 for c in cands)
+    assert (n == 4096) == any(c[3] == 64 for c in cands), "the register cap is a candidate at N = 4096 only"
+    for c in extra:
+        dx = torch.empty_like(x)
+        dw = K._bwd_launch(dy, x, w, rstd, rstd, dy, dx, n, n, n, n, rows, True, False, True, False, False, 0.0, dt,
+                           False, 2, c)
+        assert_close(dx, ref[0], dt, f"dx {c}")
+        assert_close(dw, ref[1], dt, f"dw {c}")
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer", "add"])
+def test_every_forward_setting_matches_float64(kind, monkeypatch, gen):
+    """Each forward candidate, fused or looped (chunks of 2,048-4,096 over a 4,100-wide row: a partial last chunk),
+    gives the float64 normalisation, statistics and residual sum."""
+    n, rows, dt, eps = 4100, 3, torch.float32, 1e-5
+    x = torch.randn(rows, n, generator=gen).to(DEVICE) * 3 + 1
+    r = torch.randn(rows, n, generator=gen).to(DEVICE) if kind == "add" else None
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(DEVICE)
+    b = (0.1 * torch.randn(n, generator=gen)).to(DEVICE) if kind == "layer" else None
+    s64 = x.cpu().double() + (r.cpu().double() if r is not None else 0)
+    if kind == "layer":
+        mu = s64.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((s64 - mu).pow(2).mean(-1, keepdim=True) + eps)
+        ref = (s64 - mu) * rstd * w.cpu().double() + b.cpu().double()
+    else:
+        rstd = torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps)
+        ref = s64 * rstd * w.cpu().double()
+    cands = K._fwd_candidates(pow2_at_least(n))
+    assert sum(1 for c in cands if c[2]) >= 2, "looped settings are candidates at this width"
+    for c in cands:
+        K._FWD_SETTINGS.clear()
+        monkeypatch.setattr(K, "tuned", lambda *a, c=c, **k: c)
+        y, s, _, got_rstd = K.norm_fwd(x, w, b, r, n, eps, 0.0, kind != "layer", False)
+        assert_close(y, ref, dt, f"y {c}")
+        assert_close(got_rstd, rstd.squeeze(-1), dt, f"rstd {c}")
+        if r is not None:
+            assert_close(s, s64, dt, f"s {c}")
+    K._FWD_SETTINGS.clear()
