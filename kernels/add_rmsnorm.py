@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import check_rms_inputs, first_order_only, resolve_casting, use_custom_op
+from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
 
 
 @torch.library.custom_op("mfuwatch::add_rms_norm", mutates_args=())
@@ -147,7 +147,13 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
     check_rms_inputs(x, weight)
+    if x.shape[-1] == 0:  # nothing to normalise: empty results with the dtypes and autograd links of the math
+        h = x + residual
+        return empty_width_norm(h, weight, offset, llama), h
     if use_custom_op(x, residual, weight):
         y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, float(eps), float(offset), llama)
+        return y, s
+    if not needs_grad(x, residual, weight):
+        y, s, _, _ = K.norm_fwd(x, weight, None, residual, x.shape[-1], float(eps), float(offset), True, llama)
         return y, s
     return AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), llama)

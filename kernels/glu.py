@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _glu_triton as K
-from ._common import first_order_only, use_custom_op
+from ._common import first_order_only, needs_grad, use_custom_op
 
 _APPROX = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -137,6 +137,8 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """
     if use_custom_op(gate, up):
         return torch.ops.mfuwatch.swiglu(gate, up)
+    if not needs_grad(gate, up):
+        return K.glu_fwd(gate, up, "silu")
     return GLUFunction.apply(gate, up, "silu")
 
 
@@ -149,6 +151,8 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
     kind = _gelu_kind(approximate)
     if use_custom_op(gate, up):
         return torch.ops.mfuwatch.geglu(gate, up, approximate)
+    if not needs_grad(gate, up):
+        return K.glu_fwd(gate, up, kind)
     return GLUFunction.apply(gate, up, kind)
 
 

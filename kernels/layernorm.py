@@ -14,11 +14,12 @@ does not (it would cost a copy): it computes in fp32 and returns ``x``'s dtype.
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import first_order_only, use_custom_op
+from ._common import first_order_only, needs_grad, use_custom_op
 
 
 def _numel(x: Tensor, n_dims: int) -> int:
@@ -135,8 +136,12 @@ def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: O
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != tuple(normalized_shape):
             raise ValueError(f"{name} shape {tuple(p.shape)} != normalized_shape {tuple(normalized_shape)}")
+    if _numel(x, n_dims) == 0:  # nothing to normalise: torch's own op returns the empty result
+        return F.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
     if use_custom_op(x, weight, bias):
         return torch.ops.mfuwatch.layer_norm(x, weight, bias, n_dims, float(eps))[0]
+    if not needs_grad(x, weight, bias):
+        return K.norm_fwd(x, weight, bias, None, _numel(x, n_dims), float(eps), 0.0, False, False)[0]
     return LayerNormFunction.apply(x, weight, bias, n_dims, float(eps))
 
 

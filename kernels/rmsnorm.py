@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import check_rms_inputs, first_order_only, resolve_casting, use_custom_op
+from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
 from .add_rmsnorm import add_rms_norm
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)
@@ -139,8 +139,12 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
     check_rms_inputs(x, weight)
     if eps is None:  # as torch.nn.functional.rms_norm
         eps = torch.finfo(x.dtype).eps
+    if x.shape[-1] == 0:  # nothing to normalise: an empty result, as torch.nn.functional.rms_norm returns
+        return empty_width_norm(x, weight, offset, llama)
     if use_custom_op(x, weight):
         return torch.ops.mfuwatch.rms_norm(x, weight, float(eps), float(offset), llama)[0]
+    if not needs_grad(x, weight):
+        return K.norm_fwd(x, weight, None, None, x.shape[-1], float(eps), float(offset), True, llama)[0]
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), llama)
 
 

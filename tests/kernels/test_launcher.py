@@ -128,6 +128,11 @@ def test_specialisation_key_classes():
     assert key(None) is None and key(True) is True
     t = torch.zeros(8, dtype=torch.float16)
     assert _direct_args((t, 3, None))[1] == [t.data_ptr(), 3, None]
+    # one tensor in several slots (an absent operand pointing at another) is read once, keyed the same
+    u = torch.zeros(24, dtype=torch.bfloat16)[1:]  # misaligned: 2 bytes past a 16-byte boundary
+    k, call = _direct_args((t, u, t, 5, u))
+    assert call == [t.data_ptr(), u.data_ptr(), t.data_ptr(), 5, u.data_ptr()]
+    assert k[0] == k[2] == (torch.float16, True, False) and k[1] == k[4] == (torch.bfloat16, False, False)
 
 
 def test_a_host_tensor_is_keyed_apart_from_a_device_tensor(fast):
