@@ -224,8 +224,9 @@ _BWD_SETTINGS: Dict[tuple, Tuple[int, int, int, Optional[int]]] = {}  # (per SM,
 
 
 def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w, has_b, is_rms, has_dres,
-                llama_cast, offset, p_dtype, looped, n_sm, c):
-    """The backward with setting ``c``: dx into ``dx2``; returns None, dw or db, or (dw, db) in ``p_dtype``.
+                llama_cast, offset, p_dtype, looped, n_sm, c, b_dtype=None):
+    """The backward with setting ``c``: dx into ``dx2``; returns None, dw or db, or (dw, db): dw in ``p_dtype``,
+    db in ``b_dtype`` (``p_dtype`` when None).
 
     Two launches: the row kernel, which writes dx and one fp32 partial row of
     dw/db per program into a ``(sets, programs, N)`` buffer, and
@@ -249,8 +250,9 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
         _BWD(grid, args, dict(flags, ROWS=c[2], BLOCK_N=pow2_at_least(n)), c[1], c[3])
     if part is None:
         return None
-    out0 = torch.empty(n, dtype=p_dtype, device=x2.device)
-    out1 = torch.empty(n, dtype=p_dtype, device=x2.device) if nparts == 2 else out0
+    b_dtype = b_dtype or p_dtype
+    out0 = torch.empty(n, dtype=p_dtype if has_w else b_dtype, device=x2.device)
+    out1 = torch.empty(n, dtype=b_dtype, device=x2.device) if nparts == 2 else out0
     block_n = sum_block_n(nparts * n, n_sm)
     ncb = cdiv(n, block_n)
     _SUM(ncb * nparts, (part, out0, out1, grid, n, ncb), _SUM_CONSTS[block_n], 4)
@@ -276,7 +278,7 @@ def sum_block_n(columns: int, n_sm: int) -> int:
 
 def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool,
              mean: Optional[torch.Tensor], rstd: torch.Tensor, dres: Optional[torch.Tensor], n: int,
-             offset: float, is_rms: bool, llama_cast: bool,
+             offset: float, is_rms: bool, llama_cast: bool, b_dtype: Optional[torch.dtype] = None,
              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of :func:`norm_fwd`.
 
@@ -285,10 +287,12 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
         xs: the normalised input (``x``, or ``s`` for the add variant).
         mean, rstd: from the forward (fp32, one per row).
         dres: gradient of the new residual ``s`` or None.
+        b_dtype: the bias's dtype (LayerNorm with a bias); None means the weight's
+            dtype, or ``xs``'s without a weight.
     Returns:
         ``(dxs, dw, db)``: ``dxs`` shaped like ``xs`` in its dtype; ``dw`` shaped
-        like the weight, ``db`` as ``(N,)``, both in the weight's dtype (None
-        when absent), reduced over rows in fp32.
+        like the weight, in its dtype; ``db`` as ``(N,)`` in ``b_dtype`` (None
+        when absent); both reduced over rows in fp32 and rounded once.
     """
     if dy.shape != xs.shape:
         raise ValueError(f"gradient shape {tuple(dy.shape)} != input shape {tuple(xs.shape)}")
@@ -299,13 +303,14 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
     rows = xs.numel() // n
     dx = torch.empty(xs.shape, dtype=xs.dtype, device=dev)
     p_dtype = weight.dtype if weight is not None else xs.dtype
+    b_dtype = b_dtype or p_dtype
     if rows == 0:
         dw = torch.zeros(weight.shape, dtype=p_dtype, device=dev) if weight is not None else None
-        db = torch.zeros(n, dtype=p_dtype, device=dev) if has_bias else None
+        db = torch.zeros(n, dtype=b_dtype, device=dev) if has_bias else None
         return dx, dw, db
     if not use_triton(xs):
         return _torch_bwd(as_rows(dy, n)[0], as_rows(xs, n)[0], weight, has_bias, mean, rstd, dres, n, offset,
-                          is_rms, llama_cast, dx)
+                          is_rms, llama_cast, dx, b_dtype)
     x2, sx = kernel_rows(xs, n)
     dy2, sdy = kernel_rows(dy, n)
     dres2, sdr = kernel_rows(dres, n) if dres is not None else (dy2, sdy)
@@ -323,7 +328,7 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
         c = _BWD_SETTINGS.get(key)
         if c is None:
             def launch(c):  # the reduction of the partials is part of what a setting costs
-                return _bwd_launch(*bargs, False, n_sm, c)
+                return _bwd_launch(*bargs, False, n_sm, c, b_dtype)
 
             flags = (is_rms, has_w, has_bias, dres is not None, llama_cast)
             with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
@@ -333,9 +338,9 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
                 _BWD_SETTINGS[key] = c
     if switch:
         with torch.cuda.device(dev):
-            red = _bwd_launch(*bargs, looped, n_sm, c)
+            red = _bwd_launch(*bargs, looped, n_sm, c, b_dtype)
     else:
-        red = _bwd_launch(*bargs, looped, n_sm, c)
+        red = _bwd_launch(*bargs, looped, n_sm, c, b_dtype)
     if red is None:
         return dx, None, None
     if has_w and has_bias:
@@ -375,7 +380,7 @@ def _torch_fwd(x2, residual, weight, bias, n, eps, offset, is_rms, llama_cast, y
     return y, s, mean, rstd
 
 
-def _torch_bwd(dy2, x2, weight, has_bias, mean, rstd, dres, n, offset, is_rms, llama_cast, dx):
+def _torch_bwd(dy2, x2, weight, has_bias, mean, rstd, dres, n, offset, is_rms, llama_cast, dx, b_dtype):
     xf = x2.float()
     dyf = dy2.float()
     xhat = (xf if is_rms else xf - mean[:, None]) * rstd[:, None]
@@ -387,7 +392,7 @@ def _torch_bwd(dy2, x2, weight, has_bias, mean, rstd, dres, n, offset, is_rms, l
     else:
         g = dyf
     if has_bias:
-        db = dyf.sum(0).to(weight.dtype if weight is not None else x2.dtype)
+        db = dyf.sum(0).to(b_dtype)
     c1 = (g * xhat).mean(-1, keepdim=True)
     d = g - xhat * c1 if is_rms else g - g.mean(-1, keepdim=True) - xhat * c1
     d = d * rstd[:, None]

@@ -45,34 +45,34 @@ def _(x, weight, bias, n_dims, eps):
 
 
 @torch.library.custom_op("mfuwatch::layer_norm_backward", mutates_args=())
-def _layer_norm_bwd_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], has_bias: bool, mean: Tensor,
+def _layer_norm_bwd_op(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor,
                        rstd: Tensor, n_dims: int) -> Tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = K.norm_bwd(dy, x, weight, has_bias, mean.reshape(-1), rstd.reshape(-1), None,
-                            _numel(x, n_dims), 0.0, False, False)
+    # bias: only its presence and dtype are used (db is written in the bias's dtype)
+    dx, dw, db = K.norm_bwd(dy, x, weight, bias is not None, mean.reshape(-1), rstd.reshape(-1), None,
+                            _numel(x, n_dims), 0.0, False, False, bias.dtype if bias is not None else None)
     empty = x.new_empty(0)
     db = db.view(x.shape[x.dim() - n_dims:]) if db is not None else empty.clone()
     return dx, (dw if dw is not None else empty), db
 
 
 @_layer_norm_bwd_op.register_fake
-def _(dy, x, weight, has_bias, mean, rstd, n_dims):
-    p = weight if weight is not None else x
+def _(dy, x, weight, bias, mean, rstd, n_dims):
     dw = weight.new_empty(weight.shape) if weight is not None else x.new_empty(0)
-    db = p.new_empty(x.shape[x.dim() - n_dims:]) if has_bias else x.new_empty(0)
+    db = bias.new_empty(x.shape[x.dim() - n_dims:]) if bias is not None else x.new_empty(0)
     return x.new_empty(x.shape), dw, db
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, n_dims, _eps = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.n_dims, ctx.has_bias = n_dims, bias is not None
     ctx.bias_shape = tuple(bias.shape) if bias is not None else None
 
 
 def _backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.mfuwatch.layer_norm_backward(dy, x, weight, ctx.has_bias, mean, rstd, ctx.n_dims)
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.mfuwatch.layer_norm_backward(dy, x, weight, bias, mean, rstd, ctx.n_dims)
     return (dx, dw if weight is not None else None, db.view(ctx.bias_shape) if ctx.has_bias else None,
             None, None)
 
@@ -84,8 +84,8 @@ def _fwd_flops(x_shape, w_shape, b_shape, *args, out_shape=None, **kwargs) -> in
     return _flops.numel(x_shape) * _flops.LN_FWD[(w_shape is not None, b_shape is not None)]
 
 
-def _bwd_flops(dy_shape, x_shape, w_shape, has_bias, *args, out_shape=None, **kwargs) -> int:
-    return _flops.numel(x_shape) * _flops.LN_BWD[(w_shape is not None, bool(has_bias))]
+def _bwd_flops(dy_shape, x_shape, w_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return _flops.numel(x_shape) * _flops.LN_BWD[(w_shape is not None, b_shape is not None)]
 
 
 _flops.register(torch.ops.mfuwatch.layer_norm, _fwd_flops)
@@ -101,6 +101,7 @@ class LayerNormFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.n_dims, ctx.has_bias = n_dims, bias is not None
         ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
     @staticmethod
@@ -108,7 +109,7 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = K.norm_bwd(dy, x, weight, ctx.has_bias, mean, rstd, None, _numel(x, ctx.n_dims), 0.0,
-                                False, False)
+                                False, False, ctx.bias_dtype)
         return (dx, dw, db.view(ctx.bias_shape) if db is not None else None, None, None)
 
 

@@ -48,6 +48,9 @@ KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
 _ORIGINAL = "_mfuwatch_original"
 _OURS = (RMSNorm, LayerNorm, SwiGLUMLP, GeGLUMLP)
 _ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
+#: Kernel label of a gated MLP that neither GLU kernel can take (an activation other than SiLU or GELU): it is
+#: reported as left whenever either GLU kernel is requested.
+ANY_GLU = "swiglu or geglu"
 _GELU_TANH_NAMES = ("PytorchGELUTanh", "GELUTanh", "NewGELUActivation", "GELUPytorchTanh", "GeluTanh")
 #: probe tolerance on max|a - b| / (1 + max|a|), per dtype
 _TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -164,14 +167,15 @@ def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], n
         return None, None, ""
     act = next((getattr(m, a) for a in _ACT_ATTRS if getattr(m, a, None) is not None), None)
     if act is None:
-        return "swiglu", None, f"no activation attribute among {_ACT_ATTRS}"
+        return ANY_GLU, None, f"no activation attribute among {_ACT_ATTRS}"
     name = type(act).__name__
     g, u, d = m.gate_proj, m.up_proj, m.down_proj
     act_attr = next(a for a in _ACT_ATTRS if getattr(m, a, None) is act)
     extra = [n for n, _c in m.named_children() if n not in ("gate_proj", "up_proj", "down_proj", act_attr)]
     if extra:  # e.g. a dropout: identity in eval mode, so the probe would pass, and lost after .train()
-        return ("swiglu" if "silu" in name.lower() or isinstance(act, nn.SiLU) else "geglu", None,
-                f"it has submodules the fused MLP would drop: {', '.join(extra)}")
+        kind = ("swiglu" if "silu" in name.lower() or isinstance(act, nn.SiLU)
+                else "geglu" if "gelu" in name.lower() or isinstance(act, nn.GELU) else ANY_GLU)
+        return kind, None, f"it has submodules the fused MLP would drop: {', '.join(extra)}"
     if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU", "Swish"):
         return "swiglu", lambda: SwiGLUMLP.from_linears(g, u, d), ""
     if isinstance(act, nn.GELU):
@@ -181,7 +185,7 @@ def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], n
         return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate="tanh"), ""
     if name == "GELUActivation":
         return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate="none"), ""
-    return "swiglu" if "silu" in name.lower() else "geglu", None, f"activation {name} has no fused kernel"
+    return ("swiglu" if "silu" in name.lower() else ANY_GLU), None, f"activation {name} has no fused kernel"
 
 
 def _hooked(m: nn.Module) -> Optional[str]:
@@ -259,7 +263,7 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
             if kernel is None:
                 continue
             builders = [b] if b is not None else None
-        if kernel not in wanted:
+        if kernel not in wanted and not (kernel == ANY_GLU and ("swiglu" in wanted or "geglu" in wanted)):
             report.left.append(Left(name, _cls(m), kernel, f"not requested (kernels={list(wanted)})"))
             continue
         if builders is None:

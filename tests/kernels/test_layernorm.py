@@ -131,3 +131,25 @@ def test_shape_errors_name_both_shapes():
         layer_norm(torch.randn(2, 8, device=DEVICE), 8, torch.ones(8, device=DEVICE), torch.ones(7, device=DEVICE))
     with pytest.raises(ValueError, match=r"weight shape \(8, 1\) != normalized_shape \(8,\)"):
         layer_norm(torch.randn(2, 8, device=DEVICE), 8, torch.ones(8, 1, device=DEVICE))
+
+
+@pytest.mark.parametrize("path", ["function", "custom_op", "torch_fallback"])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, None])
+def test_bias_gradient_is_written_in_the_bias_dtype(path, w_dtype, monkeypatch, gen):
+    """An fp32 bias next to a bf16 weight (or no weight, bf16 input): db is the fp32 column sum of dy, rounded
+    once to fp32, not rounded to bf16 on the way (which gave 3-4e-3 relative error)."""
+    if path == "custom_op":
+        monkeypatch.setattr(layernorm, "use_custom_op", lambda *t: True)
+    elif path == "torch_fallback":
+        monkeypatch.setattr(_norm_launch, "use_triton", lambda t: False)
+    n = 48
+    x = torch.randn(300, n, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = torch.ones(n, dtype=w_dtype).to(DEVICE).requires_grad_() if w_dtype is not None else None
+    b = torch.zeros(n).to(DEVICE).requires_grad_()
+    dy = torch.randn(300, n, generator=gen).to(DEVICE, torch.bfloat16)
+    layernorm.layer_norm(x, (n,), w, b).backward(dy)
+    ref = dy.double().sum(0)
+    assert b.grad.dtype == torch.float32
+    assert float((b.grad.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    if w is not None:
+        assert w.grad.dtype == torch.bfloat16

@@ -153,6 +153,11 @@ def test_left_modules_carry_reasons():
     reasons = {x.name: x.reason for x in report.left}
     assert "probe output differs" in reasons["odd"]
     assert reasons["relu"] == "activation ReLU has no fused kernel"
+    kernels = {x.name: x.kernel for x in report.left}
+    assert kernels["relu"] == "swiglu or geglu" and kernels["odd"] == "swiglu"
+    # asked for one GLU kernel only, the ReLU MLP is still reported with its real reason, not "not requested"
+    only = {x.name: x.reason for x in mk.patch(model, kernels=["swiglu"]).left}
+    assert only["relu"] == "activation ReLU has no fused kernel" and only["hooked"].startswith("not requested")
     assert reasons["trace_norm"] == "no 1-D `weight` parameter"
     assert "hooks" in reasons["hooked"]
     assert "left" in str(report) and "odd" in str(report)
