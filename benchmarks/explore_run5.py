@@ -35,7 +35,7 @@ from mfuwatch.kernels._common import cdiv, pow2_at_least, row_bucket, tuned_sett
 from mfuwatch.kernels._norm_triton import _norm_bwd_fused, _norm_fwd_fused
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_overhead import per_call_us as _per_call_us  # noqa: E402  (the same timing loop as there)
+from host_overhead import host_speed_ns, per_call_us as _per_call_us  # noqa: E402  (the same loops as there)
 
 BF16 = torch.bfloat16
 OUT = os.environ.get("OUT", "/tmp/out")
@@ -133,10 +133,7 @@ class Timeline(torch.autograd.Function):
 def part_a():
     say("## A. Host time of forward+backward (64 x 2048 bf16), µs per call")
     say("")
-    t0 = time.perf_counter()
-    for _ in range(10 ** 6):
-        pass
-    say(f"host speed: empty Python loop {1e3 * (time.perf_counter() - t0):.0f} ns/iteration")
+    say(f"host speed: empty Python loop {host_speed_ns():.0f} ns/iteration")
     say("")
     cases = [
         ("floor: Function, empty backward", fwdbwd(make_fn(lambda: None).apply), None),

@@ -71,13 +71,18 @@ class _Nothing(torch.autograd.Function):
         return dy, None
 
 
-def part1():
-    say("## Host time per call (64 x 2048 bf16; GPU work ~2 us per kernel)")
-    say("")
+def host_speed_ns() -> float:
+    """Nanoseconds per iteration of an empty Python loop: the host's Python speed, to compare machines."""
     t0 = time.perf_counter()
     for _ in range(10 ** 6):
         pass
-    say(f"host speed: empty Python loop {1e3 * (time.perf_counter() - t0):.0f} ns/iteration")
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def part1():
+    say("## Host time per call (64 x 2048 bf16; GPU work ~2 us per kernel)")
+    say("")
+    say(f"host speed: empty Python loop {host_speed_ns():.0f} ns/iteration")
     say("")
     rows, n = 64, 2048
     x = torch.randn(rows, n, device="cuda", dtype=BF16)
