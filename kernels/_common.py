@@ -20,8 +20,8 @@ What lives here, and why it is shared:
   ``kernel[grid](...)``, which compiles (or loads from its cache) and returns
   the compiled kernel; later launches call that compiled kernel's launcher
   directly, skipping the argument binding and cache-key hashing that Triton
-  redoes on every call (22-32 µs of host time per launch measured on the H200
-  machines' hosts, against 5.5-7.6 µs for the direct call with data pointers:
+  redoes on every call (20-32 µs of host time per launch measured on the H200
+  machines' hosts, against 5.2-7.6 µs for the direct call with data pointers:
   ``benchmarks/host_overhead.py``). At small shapes that host time *is* the
   op's time.
 * **Choosing launch settings.** :func:`tuned` times a short list of candidate
