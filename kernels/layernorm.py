@@ -14,7 +14,6 @@ does not (it would cost a copy): it computes in fp32 and returns ``x``'s dtype.
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _flops
@@ -137,8 +136,11 @@ def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: O
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != tuple(normalized_shape):
             raise ValueError(f"{name} shape {tuple(p.shape)} != normalized_shape {tuple(normalized_shape)}")
-    if _numel(x, n_dims) == 0:  # nothing to normalise: torch's own op returns the empty result
-        return F.layer_norm(x, tuple(normalized_shape), weight, bias, eps)
+    if _numel(x, n_dims) == 0:  # nothing to normalise: an empty result, by torch ops (autograd-linked to
+        y = x * 0                # every input; dtypes as at any other width, where F.layer_norm is stricter)
+        if weight is not None:
+            y = y * weight.to(x.dtype)
+        return y + bias.to(x.dtype) if bias is not None else y
     if use_custom_op(x, weight, bias):
         return torch.ops.mfuwatch.layer_norm(x, weight, bias, n_dims, float(eps))[0]
     if not needs_grad(x, weight, bias):

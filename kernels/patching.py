@@ -119,7 +119,25 @@ def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torc
     err = float((a - b).abs().max()) / (1.0 + float(a.abs().max()))
     if not err <= _TOL.get(dtype, 3e-2):
         return f"probe output differs from the fused op (relative error {err:.2e})"
+    if not orig.training and _random_in_training(orig, x, device):
+        return "its forward is random in training mode (a functional dropout?), which the fused op would drop"
     return None
+
+
+def _random_in_training(m: nn.Module, x: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``m`` (in eval mode now) gives two different outputs for one input in training mode: a dropout
+    written as ``F.dropout(h, p, self.training)`` is invisible to an eval-mode probe and would be lost.
+    Every submodule's mode and the caller's RNG state are restored."""
+    modes = [(mod, mod.training) for mod in m.modules()]
+    try:
+        m.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return not torch.equal(m(x), m(x))
+    except Exception:  # noqa: BLE001 - a module that cannot run in training mode here: judged by eval alone
+        return False
+    finally:
+        for mod, mode in modes:
+            mod.training = mode
 
 
 def _probe_device() -> torch.device:
@@ -161,31 +179,49 @@ def _rms_candidates(m: nn.Module) -> Tuple[Optional[List[Callable[[], nn.Module]
     return [builder(o, c) for o, c in variants], ""
 
 
+def _glu_of(act) -> Tuple[str, Optional[str], str]:
+    """(kernel, GELU approximation or None, "") for an activation a GLU kernel computes, else (ANY_GLU, None,
+    reason). ``act`` is a module (``nn.SiLU``, ``nn.GELU``, Hugging Face's activation classes) or a function
+    (``torch.nn.functional.silu`` / ``gelu``)."""
+    import torch.nn.functional as F
+
+    if act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU", "Swish"):
+        return "swiglu", None, ""
+    if act is F.gelu:
+        return "geglu", "none", ""
+    if isinstance(act, nn.GELU):
+        return "geglu", getattr(act, "approximate", "none"), ""
+    name = type(act).__name__
+    if name in _GELU_TANH_NAMES:
+        return "geglu", "tanh", ""
+    if name == "GELUActivation":
+        return "geglu", "none", ""
+    label = getattr(act, "__name__", None) if callable(act) and not isinstance(act, nn.Module) else None
+    return ANY_GLU, None, f"activation {label or name} has no fused kernel"
+
+
 def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], nn.Module]], str]:
-    """(kernel, builder, "") for a gated MLP, or (kernel or None, None, reason)."""
+    """(kernel, builder, "") for a gated MLP, or (kernel or None, None, reason).
+
+    The activation decides the kernel; an activation without one is the reason reported, before any
+    other (e.g. a dropout submodule), so that the report names the real blocker.
+    """
     if not all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
         return None, None, ""
     act = next((getattr(m, a) for a in _ACT_ATTRS if getattr(m, a, None) is not None), None)
     if act is None:
         return ANY_GLU, None, f"no activation attribute among {_ACT_ATTRS}"
-    name = type(act).__name__
+    kind, approx, reason = _glu_of(act)
+    if reason:
+        return kind, None, reason
     g, u, d = m.gate_proj, m.up_proj, m.down_proj
     act_attr = next(a for a in _ACT_ATTRS if getattr(m, a, None) is act)
     extra = [n for n, _c in m.named_children() if n not in ("gate_proj", "up_proj", "down_proj", act_attr)]
     if extra:  # e.g. a dropout: identity in eval mode, so the probe would pass, and lost after .train()
-        kind = ("swiglu" if "silu" in name.lower() or isinstance(act, nn.SiLU)
-                else "geglu" if "gelu" in name.lower() or isinstance(act, nn.GELU) else ANY_GLU)
         return kind, None, f"it has submodules the fused MLP would drop: {', '.join(extra)}"
-    if isinstance(act, nn.SiLU) or name in ("SiLUActivation", "SiLU", "Swish"):
+    if kind == "swiglu":
         return "swiglu", lambda: SwiGLUMLP.from_linears(g, u, d), ""
-    if isinstance(act, nn.GELU):
-        approx = getattr(act, "approximate", "none")
-        return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate=approx), ""
-    if name in _GELU_TANH_NAMES:
-        return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate="tanh"), ""
-    if name == "GELUActivation":
-        return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate="none"), ""
-    return ("swiglu" if "silu" in name.lower() else ANY_GLU), None, f"activation {name} has no fused kernel"
+    return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate=approx), ""
 
 
 def _hooked(m: nn.Module) -> Optional[str]:

@@ -204,8 +204,11 @@ class RMSNorm(nn.Module):
             raise ValueError(f"input shape {tuple(x.shape)} does not end with {self.normalized_shape}")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         shape = x.shape
-        if n_dims != 1:  # normalise over several trailing dims: flatten them into one
-            x = x.reshape(*shape[: x.dim() - n_dims], -1)
+        if n_dims != 1:  # normalise over several trailing dims: flatten them into one (an explicit width:
+            width = 1     # -1 cannot be inferred for 0 rows)
+            for d in self.normalized_shape:
+                width *= d
+            x = x.reshape(*shape[: x.dim() - n_dims], width)
             residual = residual.reshape(x.shape) if residual is not None else None
         w = self.weight.reshape(-1) if (self.weight is not None and n_dims != 1) else self.weight
         if residual is None:

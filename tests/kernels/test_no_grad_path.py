@@ -75,3 +75,22 @@ def test_rows_of_zero_elements_give_empty_results_and_gradients_like_torch(shape
     assert x.grad.shape == x.shape and r.grad.shape == r.shape and w.grad.shape == (0,) and b.grad.shape == (0,)
     m = mk.RMSNorm(0, eps=1e-6).to(DEVICE)
     assert m(x).shape == x.shape
+
+
+def test_multi_dim_rmsnorm_module_on_zero_rows_and_layer_norm_width_zero_with_mixed_dtypes():
+    """RMSNorm((2, 3)) on 0 rows returns (0, 2, 3) as torch.nn.RMSNorm does (the flatten needs an explicit
+    width); layer_norm at width 0 accepts the dtype mixes it accepts at any other width."""
+    for m in (mk.RMSNorm((2, 3)), mk.RMSNorm((2, 3), elementwise_affine=False), mk.RMSNorm((2, 3), offset=1.0)):
+        x = torch.randn(0, 2, 3).to(DEVICE)
+        assert m.to(DEVICE)(x).shape == (0, 2, 3)
+        y, s = m(x, torch.randn(0, 2, 3).to(DEVICE))
+        assert y.shape == s.shape == (0, 2, 3)
+    x = torch.randn(3, 0).to(DEVICE)
+    y = mk.layer_norm(x, 0, torch.randn(0, dtype=torch.bfloat16).to(DEVICE))
+    assert y.shape == (3, 0) and y.dtype == torch.float32
+    xb = torch.randn(2, 4, 0, dtype=torch.bfloat16).to(DEVICE).requires_grad_()
+    b = torch.randn(0).to(DEVICE).requires_grad_()
+    out = mk.layer_norm(xb, 0, None, b)
+    assert out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert xb.grad.shape == xb.shape and b.grad.dtype == torch.float32 and b.grad.shape == (0,)

@@ -267,3 +267,53 @@ def test_probe_leaves_the_global_rng_alone():
     report = mk.patch(model)
     assert report.swapped == [] and "probe output differs" in report.left[0].reason  # dropout changed it
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class _DropoutGatedMLP(nn.Module):
+    """A Llama-style gated MLP: ``down(act(gate(x)) * up(x))``, with an optional functional or module dropout."""
+
+    def __init__(self, act, functional_dropout=0.0, dropout_module=False):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(16, 24, bias=False), nn.Linear(16, 24, bias=False)
+        self.down_proj = nn.Linear(24, 16, bias=False)
+        self.act_fn = act
+        self.p = functional_dropout
+        if dropout_module:
+            self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        h = torch.nn.functional.dropout(h, self.p, self.training)
+        if hasattr(self, "dropout"):
+            h = self.dropout(h)
+        return self.down_proj(h)
+
+
+def test_activation_functions_blockers_and_functional_dropout():
+    """F.silu / F.gelu as plain functions are recognised; an activation without a kernel is the reported reason
+    even when a dropout submodule is there too; a dropout written in forward (invisible in eval mode) blocks the
+    swap instead of being lost after .train()."""
+    quick = type("QuickGELUActivation", (nn.Module,), {"forward": lambda self, x: x * torch.sigmoid(1.702 * x)})
+    model = nn.ModuleDict({
+        "silu_fn": _DropoutGatedMLP(torch.nn.functional.silu),
+        "gelu_fn": _DropoutGatedMLP(torch.nn.functional.gelu),
+        "quick_drop": _DropoutGatedMLP(quick(), dropout_module=True),
+        "relu_drop": _DropoutGatedMLP(nn.ReLU(), dropout_module=True),
+        "silu_drop": _DropoutGatedMLP(nn.SiLU(), dropout_module=True),
+        "functional_drop": _DropoutGatedMLP(nn.SiLU(), functional_dropout=0.5),
+    }).to(DEVICE).eval()
+    x = torch.randn(3, 16).to(DEVICE)
+    want = {k: m(x) for k, m in model.items()}
+    report = mk.patch(model)
+    swapped = {s.name: s.kernel for s in report.swapped}
+    left = {x_.name: (x_.kernel, x_.reason) for x_ in report.left}
+    assert swapped == {"silu_fn": "swiglu", "gelu_fn": "geglu"}
+    for k in ("silu_fn", "gelu_fn"):
+        assert torch.allclose(model[k](x), want[k], atol=1e-5, rtol=1e-5)
+    assert left["quick_drop"] == ("swiglu or geglu", "activation QuickGELUActivation has no fused kernel")
+    assert left["relu_drop"] == ("swiglu or geglu", "activation ReLU has no fused kernel")
+    assert left["silu_drop"] == ("swiglu", "it has submodules the fused MLP would drop: dropout")
+    assert left["functional_drop"][0] == "swiglu" and "random in training mode" in left["functional_drop"][1]
+    assert not model["functional_drop"].training, "the probe restored eval mode"
+    model.train()
+    assert not torch.equal(model["functional_drop"](x), model["functional_drop"](x)), "dropout kept"
