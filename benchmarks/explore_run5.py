@@ -196,11 +196,10 @@ def part_b():
         "add_rms_norm": dict(IS_RMS=True, HAS_W=True, HAS_B=False, HAS_DRES=True, LLAMA_CAST=True),
         "rms_norm": dict(IS_RMS=True, HAS_W=True, HAS_B=False, HAS_DRES=False, LLAMA_CAST=True),
     }
-    shapes = [(4096, 2048), (8192, 4096), (16384, 4096), (8192, 8192), (16384, 8192)]
     say("| op | shape | per SM, warps, rows/step, maxnreg | µs | regs | spills | % of best | tuned default |")
     say("|---|---|---|---:|---:|---:|---:|---|")
     for op, flags in ops.items():
-        for rows, n in shapes:
+        for rows, n in SHAPES:
             bn = pow2_at_least(n)
             x = torch.randn(rows, n, device="cuda", dtype=BF16)
             dy = torch.randn_like(x)
@@ -315,16 +314,20 @@ def part_c():
     say("")
 
 
+#: (rows, hidden) of parts B and D: the issue's norm shapes
+SHAPES = [(4096, 2048), (8192, 4096), (16384, 4096), (8192, 8192), (16384, 8192)]
+#: (is_rms, has_bias, has_residual, llama_cast) of each norm op, as the benchmark calls them
+OP_FLAGS = {"rms_norm": (True, False, False, True), "layer_norm": (False, True, False, False),
+            "add_rms_norm": (True, False, True, True)}
+
+
 def part_d():
     say("## D. Every launcher candidate (bf16, graph replay µs; the tuner's pick marked *)")
     say("")
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    ops = {"rms_norm": (True, False, False, True), "layer_norm": (False, True, False, False),
-           "add_rms_norm": (True, False, True, True)}
-    shapes = [(4096, 2048), (8192, 4096), (16384, 4096), (8192, 8192), (16384, 8192)]
     summary = ["| op | shape | pass | default | best (setting) | tuner's pick | pick µs |", "|---|---|---|---:|---|---|---:|"]
-    for op, (is_rms, has_b, has_res, llama) in ops.items():
-        for rows, n in shapes:
+    for op, (is_rms, has_b, has_res, llama) in OP_FLAGS.items():
+        for rows, n in SHAPES:
             bn = pow2_at_least(n)
             x = torch.randn(rows, n, device="cuda", dtype=BF16)
             r = torch.randn_like(x)
@@ -392,8 +395,7 @@ def part_e():
     cases = [("rms_norm", 16384, 8192), ("rms_norm", 8192, 8192), ("add_rms_norm", 4096, 2048),
              ("add_rms_norm", 16384, 4096), ("layer_norm", 16384, 8192), ("rms_norm", 16384, 4096)]
     for op, rows, n in cases:
-        is_rms, has_b, has_res, llama = {"rms_norm": (True, False, False, True), "layer_norm": (False, True, False, False),
-                                        "add_rms_norm": (True, False, True, True)}[op]
+        is_rms, has_b, has_res, llama = OP_FLAGS[op]
         x = torch.randn(rows, n, device="cuda", dtype=BF16)
         r = torch.randn_like(x)
         w = torch.randn(n, device="cuda", dtype=BF16)

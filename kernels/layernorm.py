@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import first_order_only, needs_grad, use_custom_op
+from ._common import empty_width_norm, first_order_only, needs_grad, use_custom_op
 
 
 def _numel(x: Tensor, n_dims: int) -> int:
@@ -136,11 +136,8 @@ def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: O
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and tuple(p.shape) != tuple(normalized_shape):
             raise ValueError(f"{name} shape {tuple(p.shape)} != normalized_shape {tuple(normalized_shape)}")
-    if _numel(x, n_dims) == 0:  # nothing to normalise: an empty result, by torch ops (autograd-linked to
-        y = x * 0                # every input; dtypes as at any other width, where F.layer_norm is stricter)
-        if weight is not None:
-            y = y * weight.to(x.dtype)
-        return y + bias.to(x.dtype) if bias is not None else y
+    if _numel(x, n_dims) == 0:  # nothing to normalise (F.layer_norm would refuse dtype mixes we accept)
+        return empty_width_norm(x, weight, 0.0, False, bias)
     if use_custom_op(x, weight, bias):
         return torch.ops.mfuwatch.layer_norm(x, weight, bias, n_dims, float(eps))[0]
     if not needs_grad(x, weight, bias):

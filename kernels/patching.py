@@ -108,7 +108,7 @@ def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torc
     gen = torch.Generator(device=device).manual_seed(1234)
     x = (torch.randn(shape, generator=gen, device=device) * 2.0).to(dtype)
     try:  # fork_rng: a dropout inside the original must not advance the caller's global RNG
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad(), _fork_rng(device):
             a, b = orig(x), repl(x)
     except Exception as exc:  # noqa: BLE001 - any failure means "do not swap"
         return f"probe run failed: {type(exc).__name__}: {exc}"
@@ -124,6 +124,12 @@ def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torc
     return None
 
 
+def _fork_rng(device: torch.device):
+    """``torch.random.fork_rng`` over the CPU generator and ``device``'s: a random module run by a probe leaves
+    the caller's RNG streams where they were."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
 def _random_in_training(m: nn.Module, x: torch.Tensor, device: torch.device) -> bool:
     """Whether ``m`` (in eval mode now) gives two different outputs for one input in training mode: a dropout
     written as ``F.dropout(h, p, self.training)`` is invisible to an eval-mode probe and would be lost.
@@ -131,7 +137,7 @@ def _random_in_training(m: nn.Module, x: torch.Tensor, device: torch.device) -> 
     modes = [(mod, mod.training) for mod in m.modules()]
     try:
         m.train()
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.no_grad(), _fork_rng(device):
             return not torch.equal(m(x), m(x))
     except Exception:  # noqa: BLE001 - a module that cannot run in training mode here: judged by eval alone
         return False

@@ -24,6 +24,7 @@ op, which ``torch.compile`` keeps in one graph (no graph break) and whose FLOPs
 (:mod:`._norm_triton`, launched by :mod:`._norm_launch`).
 """
 
+import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -205,10 +206,8 @@ class RMSNorm(nn.Module):
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         shape = x.shape
         if n_dims != 1:  # normalise over several trailing dims: flatten them into one (an explicit width:
-            width = 1     # -1 cannot be inferred for 0 rows)
-            for d in self.normalized_shape:
-                width *= d
-            x = x.reshape(*shape[: x.dim() - n_dims], width)
+            # -1 cannot be inferred for 0 rows)
+            x = x.reshape(*shape[: x.dim() - n_dims], math.prod(self.normalized_shape))
             residual = residual.reshape(x.shape) if residual is not None else None
         w = self.weight.reshape(-1) if (self.weight is not None and n_dims != 1) else self.weight
         if residual is None:
