@@ -213,7 +213,7 @@ def part_b():
                        dres if flags["HAS_DRES"] else None, n, 0.0, flags["IS_RMS"], flags["LLAMA_CAST"])
             chosen = [v for k, v in tuned_settings().items() if k[0] == "norm_bwd" and k[2][0] == n
                       and k[2][3] == row_bucket(rows)
-                      and k[2][2] == (flags["IS_RMS"], True, flags["HAS_B"], flags["HAS_DRES"], flags["LLAMA_CAST"])]
+                      and k[2][2] == (flags["IS_RMS"], True, flags["HAS_B"], flags["HAS_DRES"], flags["LLAMA_CAST"], False)]
             if n == 4096 or n == 2048:
                 cands = [(2, 16 if n == 4096 else 8, 1, None), (2, 16, 1, 64), (2, 16, 1, 80), (1, 16, 1, None),
                          (2, 8, 1, None), (4, 8, 1, None), (3, 8, 1, None), (4, 8, 1, 64), (2, 8, 2, None),
@@ -228,8 +228,8 @@ def part_b():
                 nparts = flags["HAS_W"] + flags["HAS_B"]
                 part = torch.empty((nparts, grid, n), dtype=torch.float32, device="cuda")
                 db_off = (nparts - 1) * grid * n if flags["HAS_B"] else 0
-                args = (dy, x, w, mean, rstd, dres, dx, part, n, n, n, n, rows, n, rpp, db_off, 0.0)
-                kw = dict(flags, ROWS=rps, BLOCK_N=bn, num_warps=warps)
+                args = (dy, x, w, mean, rstd, dres, dx, dx, part, n, n, n, n, rows, n, rpp, db_off, 0.0)
+                kw = dict(flags, HAS_DX2=False, ROWS=rps, BLOCK_N=bn, num_warps=warps)
                 if mr:
                     kw["maxnreg"] = mr
                 o0 = torch.empty(n, dtype=BF16, device="cuda")
@@ -345,7 +345,7 @@ def part_d():
             say(f"{op} {rows}x{n}: first call (compile + tuning) fwd {t1 - t0:.2f} s, bwd {time.perf_counter() - t1:.2f} s")
             picks = {k[0]: v for k, v in tuned_settings().items() if k[2][0] == n and k[2][-1] == row_bucket(rows)
                      and ((k[0] == "norm_fwd" and k[2][3] == (is_rms, True, has_b, has_res, llama))
-                          or (k[0] == "norm_bwd" and k[2][2] == (is_rms, True, has_b, has_res, llama)))}
+                          or (k[0] == "norm_bwd" and k[2][2] == (is_rms, True, has_b, has_res, llama, False)))}
             flags = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=has_b, HAS_RES=has_res, LLAMA_CAST=llama)
             s2 = s_ if s_ is not None else y
             fargs = (x, r, w, b, y, s2, mean if mean is not None else rstd, rstd, n, n, n, n, rows, n, 1e-6, 0.0)

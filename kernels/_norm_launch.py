@@ -224,9 +224,9 @@ _BWD_SETTINGS: Dict[tuple, Tuple[int, int, int, Optional[int]]] = {}  # (per SM,
 
 
 def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w, has_b, is_rms, has_dres,
-                llama_cast, offset, p_dtype, looped, n_sm, c, b_dtype=None):
-    """The backward with setting ``c``: dx into ``dx2``; returns None, dw or db, or (dw, db): dw in ``p_dtype``,
-    db in ``b_dtype`` (``p_dtype`` when None).
+                llama_cast, offset, p_dtype, looped, n_sm, c, b_dtype=None, dx_copy=None):
+    """The backward with setting ``c``: dx into ``dx2`` (and into ``dx_copy`` too when given: contiguous, like
+    ``dx2``); returns None, dw or db, or (dw, db): dw in ``p_dtype``, db in ``b_dtype`` (``p_dtype`` when None).
 
     Two launches: the row kernel, which writes dx and one fp32 partial row of
     dw/db per program into a ``(sets, programs, N)`` buffer, and
@@ -241,9 +241,10 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
     part = ((torch.zeros if looped else torch.empty)((nparts, grid, n), dtype=torch.float32, device=x2.device)
             if nparts else None)
     db_off = (nparts - 1) * grid * n if has_b else 0
-    args = (dy2, x2, w, mean, rstd, dres2, dx2, part if nparts else dx2, sdy, sx, sdr, n, rows, n, rpp, db_off,
-            offset)
-    flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres, LLAMA_CAST=llama_cast)
+    args = (dy2, x2, w, mean, rstd, dres2, dx2, dx2 if dx_copy is None else dx_copy, part if nparts else dx2,
+            sdy, sx, sdr, n, rows, n, rpp, db_off, offset)
+    flags = dict(IS_RMS=is_rms, HAS_W=has_w, HAS_B=has_b, HAS_DRES=has_dres, LLAMA_CAST=llama_cast,
+                 HAS_DX2=dx_copy is not None)
     if looped:
         _BWD_LOOPED(grid, args, dict(flags, BLOCK_N=LOOP_BLOCK), 8)
     else:
@@ -279,6 +280,7 @@ def sum_block_n(columns: int, n_sm: int) -> int:
 def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor], has_bias: bool,
              mean: Optional[torch.Tensor], rstd: torch.Tensor, dres: Optional[torch.Tensor], n: int,
              offset: float, is_rms: bool, llama_cast: bool, b_dtype: Optional[torch.dtype] = None,
+             dx_copy: Optional[torch.Tensor] = None,
              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Backward of :func:`norm_fwd`.
 
@@ -289,6 +291,9 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
         dres: gradient of the new residual ``s`` or None.
         b_dtype: the bias's dtype (LayerNorm with a bias); None means the weight's
             dtype, or ``xs``'s without a weight.
+        dx_copy: None, or a new contiguous tensor shaped like ``xs`` in its dtype
+            that the kernel also writes ``dxs`` into: a second gradient tensor for one
+            more write, where a copy would read and write (see :mod:`.add_rmsnorm`).
     Returns:
         ``(dxs, dw, db)``: ``dxs`` shaped like ``xs`` in its dtype; ``dw`` shaped
         like the weight, in its dtype; ``db`` as ``(N,)`` in ``b_dtype`` (None
@@ -309,8 +314,11 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
         db = torch.zeros(n, dtype=b_dtype, device=dev) if has_bias else None
         return dx, dw, db
     if not use_triton(xs):
-        return _torch_bwd(as_rows(dy, n)[0], as_rows(xs, n)[0], weight, has_bias, mean, rstd, dres, n, offset,
-                          is_rms, llama_cast, dx, b_dtype)
+        out = _torch_bwd(as_rows(dy, n)[0], as_rows(xs, n)[0], weight, has_bias, mean, rstd, dres, n, offset,
+                         is_rms, llama_cast, dx, b_dtype)
+        if dx_copy is not None:
+            dx_copy.copy_(dx)
+        return out
     x2, sx = kernel_rows(xs, n)
     dy2, sdy = kernel_rows(dy, n)
     dres2, sdr = kernel_rows(dres, n) if dres is not None else (dy2, sdy)
@@ -324,13 +332,13 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
         c = (4, 8, 1, None)
     else:
         key = (dev.index, n, xs.dtype, p_dtype, is_rms, has_w, has_bias, dres is not None, llama_cast,
-               row_bucket(rows), rows * n >= MIN_TUNE_ELEMENTS)
+               dx_copy is not None, row_bucket(rows), rows * n >= MIN_TUNE_ELEMENTS)
         c = _BWD_SETTINGS.get(key)
         if c is None:
             def launch(c):  # the reduction of the partials is part of what a setting costs
-                return _bwd_launch(*bargs, False, n_sm, c, b_dtype)
+                return _bwd_launch(*bargs, False, n_sm, c, b_dtype, dx_copy)
 
-            flags = (is_rms, has_w, has_bias, dres is not None, llama_cast)
+            flags = (is_rms, has_w, has_bias, dres is not None, llama_cast, dx_copy is not None)
             with (torch.cuda.device(dev) if switch else contextlib.nullcontext()):
                 c = tuned("norm_bwd", dev, (n, xs.dtype, flags, row_bucket(rows)),
                           lambda: _bwd_candidates(pow2_at_least(n)), launch, rows * n)
@@ -338,9 +346,9 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
                 _BWD_SETTINGS[key] = c
     if switch:
         with torch.cuda.device(dev):
-            red = _bwd_launch(*bargs, looped, n_sm, c, b_dtype)
+            red = _bwd_launch(*bargs, looped, n_sm, c, b_dtype, dx_copy)
     else:
-        red = _bwd_launch(*bargs, looped, n_sm, c, b_dtype)
+        red = _bwd_launch(*bargs, looped, n_sm, c, b_dtype, dx_copy)
     if red is None:
         return dx, None, None
     if has_w and has_bias:

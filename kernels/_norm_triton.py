@@ -193,12 +193,13 @@ def _add_pair(a1, a2, b1, b2):
 
 @triton.jit
 def _norm_bwd_fused(
-    DY, XS, W, MEAN, RSTD, DRES, DX, PART,  # DY, XS, DRES, DX: (rows, N); W: (N,)
+    DY, XS, W, MEAN, RSTD, DRES, DX, DX2, PART,  # DY, XS, DRES, DX, DX2: (rows, N); W: (N,)
+    # DX2: a second copy of dx (HAS_DX2), with DX's row stride
     # PART: fp32 partial sums, one row of N per program: dw's rows first, db's from element db_off
     stride_dy, stride_xs, stride_dres, stride_dx,
     n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
-    LLAMA_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, HAS_DX2: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -242,6 +243,8 @@ def _norm_bwd_fused(
         if HAS_DRES:
             dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DX2:
+            tl.store(DX2 + rows[:, None] * stride_dx + cols[None, :], dx.to(DX2.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(PART + pid * N + cols, dw_acc, mask=cmask)
     if HAS_B:
@@ -250,11 +253,11 @@ def _norm_bwd_fused(
 
 @triton.jit
 def _norm_bwd_looped(
-    DY, XS, W, MEAN, RSTD, DRES, DX, PART,  # as in _norm_bwd_fused; PART zero-filled
+    DY, XS, W, MEAN, RSTD, DRES, DX, DX2, PART,  # as in _norm_bwd_fused; PART zero-filled
     stride_dy, stride_xs, stride_dres, stride_dx,
     n_rows, N, rows_per_prog, db_off, offset,  # db_off: element offset of the db partials in PART
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr,
-    LLAMA_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    LLAMA_CAST: tl.constexpr, HAS_DX2: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     cols0 = tl.arange(0, BLOCK_N)
@@ -306,6 +309,8 @@ def _norm_bwd_looped(
             if HAS_DRES:
                 dx += tl.load(DRES + row * stride_dres + cols, mask=m, other=0.0).to(tl.float32)
             tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
+            if HAS_DX2:
+                tl.store(DX2 + row * stride_dx + cols, dx.to(DX2.dtype.element_ty), mask=m)
         tl.debug_barrier()  # the next row re-reads the partial rows this one wrote
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mfuwatch.kernels import _norm_launch, add_rmsnorm
 from mfuwatch.kernels.add_rmsnorm import add_rms_norm
@@ -92,3 +93,82 @@ def test_shape_mismatch_names_both_shapes():
         add_rms_norm(torch.randn(2, 8, device=DEVICE), torch.randn(2, 8, device=DEVICE), torch.ones(1, 8, device=DEVICE))
     with pytest.raises(ValueError, match="0-d tensor"):
         add_rms_norm(torch.tensor(1.0, device=DEVICE), torch.tensor(2.0, device=DEVICE), None)
+
+
+class _CopiesOutsideKernels(TorchDispatchMode):
+    """Records the copies of whole tensors (``copy_``, ``clone``) outside ``norm_bwd`` (the interpreter copies
+    too); dtype casts (``_to_copy``) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_kernel = False
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if not self.in_kernel and name in ("aten.copy_.default", "aten.clone.default"):
+            self.copies.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_copies(monkeypatch, fused, leaf_x, leaf_r, dtypes=(torch.bfloat16, torch.bfloat16)):
+    """Copies autograd makes in the backward of add + RMSNorm with leaf or non-leaf inputs; and x's, r's grads."""
+    mode = _CopiesOutsideKernels()
+    real = _norm_launch.norm_bwd
+
+    def traced(*a, **k):
+        mode.in_kernel = True
+        try:
+            return real(*a, **k)
+        finally:
+            mode.in_kernel = False
+
+    monkeypatch.setattr(add_rmsnorm.K, "norm_bwd", traced)
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randn(6, 40, generator=gen).to(dtypes[0]).to(DEVICE).requires_grad_()
+    r0 = torch.randn(6, 40, generator=gen).to(dtypes[1]).to(DEVICE).requires_grad_()
+    w = torch.ones(40, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    x = x0 if leaf_x else x0 * 1
+    r = r0 if leaf_r else r0 * 1
+    seen = {}
+    for name, t in (("x", x), ("r", r)):
+        if not t.is_leaf:
+            t.register_hook(lambda g, name=name: seen.__setitem__(name, g))
+    if fused:
+        y, h = add_rms_norm(x, r, w)
+    else:
+        h = x + r
+        y = torch.nn.functional.rms_norm(h, (40,), w, 1e-6)
+    dy, dh = torch.randn(y.shape, generator=gen).to(y.dtype), torch.randn(h.shape, generator=gen).to(h.dtype)
+    with mode:
+        torch.autograd.backward([y, h], [dy.to(DEVICE), dh.to(DEVICE)])
+    return mode.copies, x0.grad, r0.grad, seen
+
+
+@pytest.mark.parametrize("leaf_x, leaf_r", [(True, True), (True, False), (False, True)])
+def test_leaf_inputs_get_two_written_gradients_not_a_copy(monkeypatch, leaf_x, leaf_r):
+    # the method sees the copy autograd makes when one gradient tensor reaches a leaf and another input
+    copies, *_ = _backward_copies(monkeypatch, False, leaf_x, leaf_r)
+    assert len(copies) == 1, copies
+    copies, gx, gr, _ = _backward_copies(monkeypatch, True, leaf_x, leaf_r)
+    assert copies == [], copies
+    assert gx.data_ptr() != gr.data_ptr()
+    copies_ref, gx_ref, gr_ref, _ = _backward_copies(monkeypatch, False, leaf_x, leaf_r)
+    assert_close(gx, gx_ref.double(), torch.bfloat16, "dx")
+    assert torch.equal(gx, gr)  # the same values, written twice
+
+
+def test_non_leaf_inputs_share_one_gradient(monkeypatch):
+    # nothing copies a gradient that only flows on to other ops: one tensor, written once, goes to both
+    copies, gx, gr, seen = _backward_copies(monkeypatch, True, False, False)
+    assert copies == []
+    assert seen["x"] is seen["r"]
+    assert torch.equal(gx, gr)
+
+
+def test_mixed_dtype_leaves_take_the_cast(monkeypatch):
+    # fp32 residual, bf16 branch: the sum is fp32 and x's gradient a cast, so no second store is needed
+    copies, gx, gr, _ = _backward_copies(monkeypatch, True, True, True, (torch.bfloat16, torch.float32))
+    assert gx.dtype == torch.bfloat16 and gr.dtype == torch.float32
+    assert copies == []
+    assert_close(gx, gr.double(), torch.bfloat16, "dx against the fp32 gradient")

@@ -38,10 +38,10 @@ SCRIPT = textwrap.dedent(
         comp(K._norm_fwd_fused, fwd, dict(flags, ROWS=2, BLOCK_N=2048), 8)
         comp(K._norm_fwd_looped, fwd, dict(flags, BLOCK_N=4096, N_FIXED=0), 8)
         comp(K._norm_fwd_looped, fwd, dict(flags, BLOCK_N=2048, N_FIXED=8192), 8)
-        bwd = dict(DY=p, XS=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, PART="*fp32",
+        bwd = dict(DY=p, XS=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, DX2=p, PART="*fp32",
                    stride_dy="i32", stride_xs="i64", stride_dres="i32", stride_dx="i32", n_rows="i32", N="i32",
                    rows_per_prog="i32", db_off="i32", offset="fp32")
-        bflags = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=has_b, HAS_DRES=res, LLAMA_CAST=llama)
+        bflags = dict(IS_RMS=is_rms, HAS_W=True, HAS_B=has_b, HAS_DRES=res, LLAMA_CAST=llama, HAS_DX2=res)
         for rows in (1, 2):  # rows per step of the backward's loop
             comp(K._norm_bwd_fused, bwd, dict(bflags, ROWS=rows, BLOCK_N=4096), 16)
         comp(K._norm_bwd_fused, bwd, dict(bflags, ROWS=2, BLOCK_N=4096), 16, maxnreg=64)  # the register-capped setting
