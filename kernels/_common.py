@@ -26,9 +26,9 @@ What lives here, and why it is shared:
   op's time.
 * **Choosing launch settings.** :func:`tuned` times a short list of candidate
   settings once per (kernel, device, shape class) on the GPU with
-  ``triton.testing.do_bench`` and keeps the fastest. The first candidate is
-  the heuristic default, used under the interpreter, during CUDA-graph
-  capture, and when ``MFUWATCH_KERNELS_AUTOTUNE=0``.
+  :func:`gpu_ms` (GPU time of back-to-back launches) and keeps the fastest. The
+  first candidate is the heuristic default, used under the interpreter, during
+  CUDA-graph capture, and when ``MFUWATCH_KERNELS_AUTOTUNE=0``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import threading
+import time
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
@@ -398,8 +400,8 @@ def tuned(kernel: str, device: torch.device, key: Hashable, candidates: Callable
     ``candidates()`` lists the settings, the heuristic default first (called
     only on a cache miss). ``launch(candidate)`` must run the kernel with that
     setting and be idempotent (write the same outputs every time). Timing
-    happens once per cache key on CUDA devices (``triton.testing.do_bench``
-    median, a few tens of milliseconds per candidate); a candidate that fails
+    happens once per cache key on CUDA devices (:func:`gpu_ms`, a few tens of
+    milliseconds per candidate); a candidate that fails
     to compile is skipped. Returns the first candidate without timing under the
     interpreter, on the CPU, during CUDA-graph capture, for launches of fewer
     than :data:`MIN_TUNE_ELEMENTS` elements (e.g. ``patch``'s probe), or when
@@ -415,8 +417,6 @@ def tuned(kernel: str, device: torch.device, key: Hashable, candidates: Callable
     if torch.cuda.is_current_stream_capturing():
         return cands[0]
     candidates = cands
-    from triton.testing import do_bench
-
     with _TUNE_LOCK:
         best = _TUNED.get(full_key)
         if best is not None:
@@ -424,13 +424,55 @@ def tuned(kernel: str, device: torch.device, key: Hashable, candidates: Callable
         timings = []
         for cand in candidates:
             try:
-                ms = do_bench(lambda: launch(cand), warmup=3, rep=15, return_mode="median")
+                ms = gpu_ms(lambda: launch(cand))
             except Exception:  # e.g. out of registers/shared memory for this setting
                 ms = float("inf")
             timings.append(ms)
         best = candidates[min(range(len(candidates)), key=timings.__getitem__)]
         _TUNED[full_key] = best
     return best
+
+
+#: GPU clock used to turn a wait into ``torch.cuda._sleep`` cycles: above the H100/H200 boost clock (1.98 GHz,
+#: NVIDIA H100/H200 datasheets), so that the wait lasts at least as long as asked on those GPUs.
+_SLEEP_CYCLES_PER_S = 2.0e9
+
+
+def gpu_ms(fn: Callable[[], Any], target_ms: float = 2.0, rounds: int = 3) -> float:
+    """Median GPU milliseconds per call of ``fn`` (which launches work on the current stream), calls back to back.
+
+    ``fn`` runs once to compile and warm up, once timed to size the loop, then ``rounds`` times
+    ``k`` calls (``k`` so that a round takes about ``target_ms``, 3 to 200 calls) between two CUDA
+    events. Each round starts behind a GPU wait (``torch.cuda._sleep``) longer than the host needs to
+    enqueue its calls, so the events time the kernels alone, without the host's launch gaps, and
+    each call finds what the previous one left in L2, as in CUDA-graph replay and in a training
+    step, where a norm's input has just been written. ``triton.testing.do_bench``, used before,
+    clears L2 and lets host time into small kernels' timings: at 4096 x 2048 it could not separate
+    settings 1 µs apart that graph replay ranks consistently (``docs/benchmarks.md``). Synchronises the
+    device; raises what ``fn`` raises.
+    """
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    host_s = time.perf_counter() - t0
+    end.synchronize()
+    k = max(3, min(200, int(target_ms / max(start.elapsed_time(end), 1e-3))))
+    sleep = getattr(torch.cuda, "_sleep", None)
+    per_call = []
+    for _ in range(rounds):
+        if sleep is not None:  # twice the host's time for k calls, and at least 50 µs
+            sleep(int(max(2 * k * host_s, 50e-6) * _SLEEP_CYCLES_PER_S))
+        start.record()
+        for _ in range(k):
+            fn()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / k)
+    return statistics.median(per_call)
 
 
 def tuned_settings() -> Dict[Hashable, Any]:

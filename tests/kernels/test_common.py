@@ -4,10 +4,10 @@ import types
 
 import pytest
 import torch
-import triton.testing
 
 from mfuwatch.kernels import _common
 from mfuwatch.kernels._common import as_rows, pow2_at_least, row_bucket, tuned
+from tests.helpers.kernel_checks import DEVICE
 
 
 def test_as_rows_views_without_copy_when_strides_allow():
@@ -36,7 +36,7 @@ def test_small_helpers():
 
 
 class FakeBench:
-    """Stands in for triton.testing.do_bench: each candidate's 'time' is looked up."""
+    """Stands in for ``_common.gpu_ms``: each candidate's 'time' is looked up."""
 
     def __init__(self, times):
         self.times, self.calls = times, []
@@ -60,7 +60,7 @@ def fake_cuda(monkeypatch):
 
 def run_tuner(monkeypatch, device, times, elements=1 << 22, key="k"):
     bench = FakeBench(times)
-    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    monkeypatch.setattr(_common, "gpu_ms", bench)
 
     def launch(c):
         bench.current = c
@@ -91,3 +91,29 @@ def test_tuner_uses_the_default_when_it_must_not_time(monkeypatch, fake_cuda):
     monkeypatch.setattr(_common, "AUTOTUNE", False)
     best, bench = run_tuner(monkeypatch, fake_cuda, times)
     assert best == "a" and bench.calls == []
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="times GPU work: MFUWATCH_KERNEL_TESTS_ON_GPU=1 on a GPU machine")
+def test_gpu_ms_ranks_work_by_its_size_and_counts_calls():
+    small = torch.empty(1 << 18, device="cuda")
+    big = torch.empty(1 << 24, device="cuda")  # 64 times the bytes: far beyond any timing noise
+    calls = {"small": 0, "big": 0}
+
+    def fill(name, t):
+        calls[name] += 1
+        t.fill_(1.0)
+
+    ms_small, ms_big = _common.gpu_ms(lambda: fill("small", small)), _common.gpu_ms(lambda: fill("big", big))
+    assert 0 < ms_small < ms_big
+    for n in calls.values():  # a warm-up call, a sizing call, then 3 rounds of k calls, 3 <= k <= 200
+        assert (n - 2) % 3 == 0 and 3 <= (n - 2) // 3 <= 200, calls
+    # 64 MB written: no faster than a generous 10 TB/s
+    assert ms_big >= (big.numel() * 4) / 10e12 * 1e3
+
+
+def test_gpu_ms_raises_what_the_launch_raises(monkeypatch):
+    def broken():
+        raise RuntimeError("out of resources")
+
+    with pytest.raises(RuntimeError, match="out of resources"):
+        _common.gpu_ms(broken)
