@@ -21,8 +21,11 @@ from .schema import BUSY_CATEGORIES, CATEGORIES
 #: Same colours as the dashboard's breakdown panel overrides.
 CATEGORY_COLORS = {"compute_bound": "#56a64b", "memory_bound": "#ff9830", "communication": "#3274d9",
                    "other": "#a352cc", "idle": "#b7b7b7"}
-_LAYOUT = dict(template="plotly_white", height=330, margin=dict(l=60, r=20, t=50, b=40),
-               legend=dict(orientation="h", y=-0.2), hovermode="x unified")
+#: The legend sits at the bottom of the figure (``yref="container"``), not at a fraction of the plot
+#: area's height below it: placed relative to the plot area, whose height depends on the margin the
+#: legend itself pushes, it made Plotly re-lay out in a loop ("Too many auto-margin redraws").
+_LAYOUT = dict(template="plotly_white", height=330, margin=dict(l=60, r=20, t=50, b=70),
+               legend=dict(orientation="h", yref="container", y=0.0, yanchor="bottom"), hovermode="x unified")
 _Rec = Dict[str, Any]
 
 
