@@ -105,7 +105,11 @@ def first_order_only(backward: Callable) -> Callable:
     results are marked so that differentiating them raises "differentiate twice". Torch's decorator
     marks them only when an incoming gradient requires grad; ours also does when a saved input does
     (``x``, the weight). Without that, ``grad(y.sum(), x, create_graph=True)`` returned a gradient that
-    silently counted as a constant in a later backward.
+    silently counted as a constant in a later backward. The error node's graph edges also lead to
+    the tensors it was marked for (the gradients and saved inputs that require grad): torch's node
+    leads only to detached copies of the results, so a second ``torch.autograd.grad(..., inputs=[x])``
+    (or ``backward(inputs=...)``), which runs only the nodes on a path to ``x``, skipped it and
+    silently dropped the op's second-order term.
     """
 
     @functools.wraps(backward)
@@ -114,12 +118,13 @@ def first_order_only(backward: Callable) -> Callable:
             return backward(ctx, *grads)
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not any(t is not None and t.requires_grad for t in (*grads, *ctx.saved_tensors)):
+        links = [t for t in (*grads, *ctx.saved_tensors) if t is not None and t.requires_grad]
+        if not links:
             return outputs
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         err = torch._C._functions.DelayedError(
             b"mfuwatch.kernels: trying to differentiate twice an op whose fused kernels are differentiable once "
-            b"(use the PyTorch op for higher-order gradients)", len(outs))
+            b"(use the PyTorch op for higher-order gradients)", len(outs) + len(links))
 
         def marked(t):
             if t is None:
@@ -127,7 +132,9 @@ def first_order_only(backward: Callable) -> Callable:
             t = t.detach()
             t.requires_grad = True
             return t
-        return err(*[marked(t) for t in outs])
+        # the error node's outputs alias its inputs: the first len(outs) are the results; the rest, aliases of
+        # the links, are dropped (they exist so that the node has graph edges to the links)
+        return tuple(err(*[marked(t) for t in outs], *links)[:len(outs)])
 
     return wrapper
 

@@ -17,6 +17,7 @@ in a decoder layer's ``forward``): call it from model code, or use
 ``RMSNorm.forward(x, residual)``.
 """
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -27,33 +28,38 @@ from . import _norm_launch as K
 from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
 
 
+def _width(x: Tensor, n_dims: int) -> int:
+    """Elements normalised per row: the product of ``x``'s trailing ``n_dims`` sizes."""
+    return math.prod(x.shape[x.dim() - n_dims:])
+
+
 @torch.library.custom_op("mfuwatch::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float,
-                     llama_cast: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    y, s, _, rstd = K.norm_fwd(x, weight, None, residual, x.shape[-1], eps, offset, True, llama_cast)
-    return y, s, rstd.view(x.shape[:-1])
+                     llama_cast: bool, n_dims: int) -> Tuple[Tensor, Tensor, Tensor]:
+    y, s, _, rstd = K.norm_fwd(x, weight, None, residual, _width(x, n_dims), eps, offset, True, llama_cast)
+    return y, s, rstd.view(x.shape[:x.dim() - n_dims])
 
 
 @_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps, offset, llama_cast):
+def _(x, residual, weight, eps, offset, llama_cast, n_dims):
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
     s_dt = torch.promote_types(x.dtype, residual.dtype)
     y_dt = torch.promote_types(s_dt, weight.dtype) if (llama_cast and weight is not None) else s_dt
     return (x.new_empty(x.shape, dtype=y_dt), x.new_empty(x.shape, dtype=s_dt),
-            x.new_empty(x.shape[:-1], dtype=torch.float32))
+            x.new_empty(x.shape[:x.dim() - n_dims], dtype=torch.float32))
 
 
 @torch.library.custom_op("mfuwatch::add_rms_norm_backward", mutates_args=())
 def _add_rms_norm_bwd_op(dy: Tensor, dres: Optional[Tensor], s: Tensor, weight: Optional[Tensor],
-                         rstd: Tensor, offset: float, llama_cast: bool) -> Tuple[Tensor, Tensor]:
-    ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd.reshape(-1), dres, s.shape[-1], offset,
+                         rstd: Tensor, offset: float, llama_cast: bool, n_dims: int) -> Tuple[Tensor, Tensor]:
+    ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd.reshape(-1), dres, _width(s, n_dims), offset,
                            True, llama_cast)
     return ds, (dw if dw is not None else s.new_empty(0))
 
 
 @_add_rms_norm_bwd_op.register_fake
-def _(dy, dres, s, weight, rstd, offset, llama_cast):
+def _(dy, dres, s, weight, rstd, offset, llama_cast, n_dims):
     dw = weight.new_empty(weight.shape) if weight is not None else s.new_empty(0)
     return s.new_empty(s.shape), dw
 
@@ -66,11 +72,11 @@ def _grads(ds: Tensor, x_dtype: torch.dtype, r_dtype: torch.dtype) -> Tuple[Tens
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, _eps, offset, llama_cast = inputs
+    x, residual, weight, _eps, offset, llama_cast, n_dims = inputs
     ctx.save_for_backward(output[1], weight, output[2])
     ctx.mark_non_differentiable(output[2])
     ctx.set_materialize_grads(False)  # an unused new_residual then costs no zero-filled gradient
-    ctx.offset, ctx.llama_cast = offset, llama_cast
+    ctx.offset, ctx.llama_cast, ctx.n_dims = offset, llama_cast, n_dims
     ctx.dtypes = (x.dtype, residual.dtype)
 
 
@@ -78,12 +84,13 @@ def _backward(ctx, dy, dres, _drstd):
     s, weight, rstd = ctx.saved_tensors
     if dy is None:  # only the new residual was used
         if dres is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         dx, dr = _grads(dres, *ctx.dtypes)
-        return dx, dr, None, None, None, None
-    ds, dw = torch.ops.mfuwatch.add_rms_norm_backward(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast)
+        return dx, dr, None, None, None, None, None
+    ds, dw = torch.ops.mfuwatch.add_rms_norm_backward(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast,
+                                                      ctx.n_dims)
     dx, dr = _grads(ds, *ctx.dtypes)
-    return dx, dr, (dw if weight is not None else None), None, None, None
+    return dx, dr, (dw if weight is not None else None), None, None, None, None
 
 
 _add_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -106,14 +113,18 @@ _flops.register(torch.ops.mfuwatch.add_rms_norm_backward, _bwd_flops)
 
 
 class AddRMSNormFunction(torch.autograd.Function):
-    """``autograd.Function``: ``apply(x, residual, weight, eps, offset, llama_cast) -> (normed, new_residual)``."""
+    """``autograd.Function``: ``apply(x, residual, weight, eps, offset, llama_cast, n) -> (normed, new_residual)``.
+
+    x, residual: (..., trailing dims of ``n`` elements in all), normalised over those ``n``
+    elements; weight: ``n`` elements (any shape, e.g. the trailing dims) or None.
+    """
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, llama_cast):
-        y, s, _, rstd = K.norm_fwd(x, weight, None, residual, x.shape[-1], eps, offset, True, llama_cast)
+    def forward(ctx, x, residual, weight, eps, offset, llama_cast, n):
+        y, s, _, rstd = K.norm_fwd(x, weight, None, residual, n, eps, offset, True, llama_cast)
         ctx.save_for_backward(s, weight, rstd)
         ctx.set_materialize_grads(False)
-        ctx.offset, ctx.llama_cast = offset, llama_cast
+        ctx.offset, ctx.llama_cast, ctx.n = offset, llama_cast, n
         ctx.dtypes = (x.dtype, residual.dtype)
         ctx.two_grads = _two_grads(ctx, x, residual)
         return y, s
@@ -124,16 +135,15 @@ class AddRMSNormFunction(torch.autograd.Function):
         s, weight, rstd = ctx.saved_tensors
         if dy is None:
             if dres is None:
-                return None, None, None, None, None, None
-            return (*_grads(dres, *ctx.dtypes), None, None, None, None)
+                return None, None, None, None, None, None, None
+            return (*_grads(dres, *ctx.dtypes), None, None, None, None, None)
         if ctx.two_grads:
             dr = torch.empty_like(s, memory_format=torch.contiguous_format)
-            ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, s.shape[-1], ctx.offset, True,
+            ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, ctx.n, ctx.offset, True,
                                    ctx.llama_cast, dx_copy=dr)
-            return ds, dr, dw, None, None, None
-        ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, s.shape[-1], ctx.offset, True,
-                               ctx.llama_cast)
-        return (*_grads(ds, *ctx.dtypes), dw, None, None, None)
+            return ds, dr, dw, None, None, None, None
+        ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, ctx.n, ctx.offset, True, ctx.llama_cast)
+        return (*_grads(ds, *ctx.dtypes), dw, None, None, None, None)
 
 
 def _two_grads(ctx, x: Tensor, residual: Tensor) -> bool:
@@ -142,12 +152,20 @@ def _two_grads(ctx, x: Tensor, residual: Tensor) -> bool:
     Both inputs get the same gradient. Returned as one tensor for both, it costs nothing unless
     a leaf takes it: autograd's ``AccumulateGrad`` then copies a gradient that another input still
     holds (a read and a write of the whole tensor, 63 µs at 16384 x 4096 bf16 on the H200), which
-    the kernel's second store (one write) replaces. So: True when both inputs need a gradient, one
-    of them is a leaf (a parameter-like input, or a block's input under reentrant activation
-    checkpointing), and their dtypes agree (otherwise one gradient is a cast, already a new tensor).
+    the kernel's second store (one write) replaces; and when both inputs are views of leaves (say
+    ``a.view(...)`` and ``b.view(...)``), each leaf would take a view of that one tensor as its
+    ``.grad``, so that zeroing one zeroed the other (PyTorch's own ``a.view(...) + b.view(...)``
+    does that). So: True when both inputs need a gradient, one of them is a leaf or a view of one
+    (a parameter-like input, or a block's input under reentrant activation checkpointing), and
+    their dtypes agree (otherwise one gradient is a cast, already a new tensor).
     """
     return (ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and x.dtype == residual.dtype
-            and (x.grad_fn is None or residual.grad_fn is None))
+            and (_leaf_or_view_of_leaf(x) or _leaf_or_view_of_leaf(residual)))
+
+
+def _leaf_or_view_of_leaf(t: Tensor) -> bool:
+    """``t`` (which requires grad) is a leaf, or a view whose base is one."""
+    return t.grad_fn is None or (t._base is not None and t._base.grad_fn is None)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
@@ -167,13 +185,26 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, e
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
     check_rms_inputs(x, weight)
-    if x.shape[-1] == 0:  # nothing to normalise: empty results with the dtypes and autograd links of the math
+    return add_rms_norm_trailing(x, residual, weight, float(eps), float(offset), llama, 1)
+
+
+def add_rms_norm_trailing(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps: float, offset: float,
+                          llama: bool, n_dims: int) -> Tuple[Tensor, Tensor]:
+    """:func:`add_rms_norm` over the trailing ``n_dims`` dims of ``x`` (``RMSNorm`` with a multi-dim
+    ``normalized_shape``), on ``x`` and ``residual`` as given: no reshape, so that autograd sees the
+    caller's tensors (a leaf stays a leaf, see :func:`_two_grads`).
+
+    x, residual: the same shape, at least ``n_dims`` dims; weight: None or ``n`` elements, ``n`` the
+    product of the trailing sizes (e.g. shaped like those dims). Shapes are the caller's to check.
+    """
+    if _width(x, n_dims) == 0:  # nothing to normalise: empty results, autograd-linked
         h = x + residual
         return empty_width_norm(h, weight, offset, llama), h
     if use_custom_op(x, residual, weight):
-        y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, float(eps), float(offset), llama)
+        y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, eps, offset, llama, n_dims)
         return y, s
+    n = _width(x, n_dims)
     if not needs_grad(x, residual, weight):
-        y, s, _, _ = K.norm_fwd(x, weight, None, residual, x.shape[-1], float(eps), float(offset), True, llama)
+        y, s, _, _ = K.norm_fwd(x, weight, None, residual, n, eps, offset, True, llama)
         return y, s
-    return AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), llama)
+    return AddRMSNormFunction.apply(x, residual, weight, eps, offset, llama, n)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from . import _flops
 from . import _norm_launch as K
 from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
-from .add_rmsnorm import add_rms_norm
+from .add_rmsnorm import add_rms_norm_trailing
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)
 
@@ -167,7 +167,7 @@ class RMSNorm(nn.Module):
 
     ``forward(x)`` returns the normalised ``x``; ``forward(x, residual)``
     returns ``(rms_norm(x + residual), x + residual)`` through the fused
-    :func:`~mfuwatch.kernels.add_rms_norm`.
+    :func:`~mfuwatch.kernels.add_rms_norm` (over the trailing ``normalized_shape`` dims).
     """
 
     def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = None,
@@ -204,16 +204,17 @@ class RMSNorm(nn.Module):
         if tuple(x.shape[x.dim() - n_dims:]) != self.normalized_shape:
             raise ValueError(f"input shape {tuple(x.shape)} does not end with {self.normalized_shape}")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if residual is not None:  # x and residual as given (no reshape: a leaf stays a leaf for autograd)
+            if residual.shape != x.shape:
+                raise ValueError(f"residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+            return add_rms_norm_trailing(x, residual, self.weight, float(eps), self.offset,
+                                         resolve_casting(self.casting, self.offset), n_dims)
         shape = x.shape
         if n_dims != 1:  # normalise over several trailing dims: flatten them into one (an explicit width:
             # -1 cannot be inferred for 0 rows)
             x = x.reshape(*shape[: x.dim() - n_dims], math.prod(self.normalized_shape))
-            residual = residual.reshape(x.shape) if residual is not None else None
         w = self.weight.reshape(-1) if (self.weight is not None and n_dims != 1) else self.weight
-        if residual is None:
-            return rms_norm(x, w, eps, self.offset, casting=self.casting).view(shape)
-        y, s = add_rms_norm(x, residual, w, eps, self.offset, casting=self.casting)
-        return y.view(shape), s.view(shape)
+        return rms_norm(x, w, eps, self.offset, casting=self.casting).view(shape)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "

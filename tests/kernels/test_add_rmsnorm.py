@@ -6,6 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mfuwatch.kernels import _norm_launch, add_rmsnorm
 from mfuwatch.kernels.add_rmsnorm import add_rms_norm
+from mfuwatch.kernels.rmsnorm import RMSNorm
 from tests.helpers.kernel_checks import DEVICE, assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -172,3 +173,44 @@ def test_mixed_dtype_leaves_take_the_cast(monkeypatch):
     assert gx.dtype == torch.bfloat16 and gr.dtype == torch.float32
     assert copies == []
     assert_close(gx, gr.double(), torch.bfloat16, "dx against the fp32 gradient")
+
+
+def _shares_storage(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_module_over_several_dims_gives_leaves_their_own_gradients(compiled, gen):
+    # RMSNorm((4, 10))(x, residual): normalised over the last two dims, inputs passed as they are (a reshape
+    # made them non-leaves, one gradient tensor went to both, and each leaf kept a view of it as .grad)
+    m = RMSNorm((4, 10), eps=1e-6).to(DEVICE)
+    with torch.no_grad():
+        m.weight.copy_(1.0 + 0.1 * torch.randn(4, 10, generator=gen))
+    x = torch.randn(2, 3, 4, 10, generator=gen).to(DEVICE).requires_grad_()
+    r = torch.randn(2, 3, 4, 10, generator=gen).to(DEVICE).requires_grad_()
+    dy, dh = torch.randn(2, 3, 4, 10, generator=gen).to(DEVICE), torch.randn(2, 3, 4, 10, generator=gen).to(DEVICE)
+    fn = torch.compile(m, backend="aot_eager", fullgraph=True) if compiled else m
+    y, h = fn(x, r)
+    torch.autograd.backward([y, h], [dy, dh])
+    assert not _shares_storage(x.grad, r.grad)
+    xd, rd, wd = (t.detach().double().requires_grad_() for t in (x, r, m.weight))
+    hd = xd + rd
+    yd = hd * torch.rsqrt(hd.pow(2).mean((-2, -1), keepdim=True) + 1e-6) * wd
+    torch.autograd.backward([yd, hd], [dy.double(), dh.double()])
+    assert_close(y, yd, torch.float32, "normed")
+    for name, t, ref in (("dx", x, xd), ("dresidual", r, rd), ("dw", m.weight, wd)):
+        assert t.grad.shape == t.shape
+        assert_close(t.grad, ref.grad, torch.float32, name)
+    r_grad = r.grad.clone()
+    x.grad.zero_()
+    assert torch.equal(r.grad, r_grad)
+
+
+def test_views_of_leaves_get_their_own_gradients(gen):
+    # plain PyTorch's a.view(...) + b.view(...) hands both leaves views of one gradient; the fused op does not
+    a = torch.randn(240, generator=gen).to(DEVICE).requires_grad_()
+    b = torch.randn(2, 120, generator=gen).to(DEVICE).requires_grad_()
+    y, h = add_rms_norm(a.view(6, 40), b.view(6, 40), torch.ones(40, device=DEVICE))
+    (y.sum() + h.sum()).backward()
+    assert not _shares_storage(a.grad, b.grad)
+    assert torch.equal(a.grad.view(6, 40), b.grad.view(6, 40))

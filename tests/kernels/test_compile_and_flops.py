@@ -174,6 +174,27 @@ def test_double_backward_says_so(op, loss):
         (out.pow(2).sum() + g.pow(2).sum()).backward()
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "add_rms_norm", "swiglu"])
+def test_double_backward_to_chosen_inputs_says_so(op):
+    """A second ``autograd.grad(..., inputs=[x])`` runs only the nodes on a path to ``x``: the error node
+    must be on one, or the op's second-order term is silently dropped (the result read 2x, the
+    gradient of the ``x ** 2`` term alone, with torch's ``once_differentiable`` wiring)."""
+    import mfuwatch.kernels as mk
+
+    x = torch.randn(3, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(8, device=DEVICE, requires_grad=True)
+    c = torch.randn(3, 8, device=DEVICE)
+    out = {"rms_norm": lambda: mk.rms_norm(x, w), "layer_norm": lambda: mk.layer_norm(x, (8,), w),
+           "add_rms_norm": lambda: mk.add_rms_norm(x, torch.randn_like(x), w)[0],
+           "swiglu": lambda: mk.swiglu(x, x * 3)}[op]()
+    (g,) = torch.autograd.grad((out * c).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(g.pow(2).sum() + x.pow(2).sum(), [x])
+    if op != "swiglu":  # the weight: a second-order path through the op, asked for by backward(inputs=...)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (g.pow(2).sum()).backward(inputs=[w])
+
+
 def test_first_order_gradient_under_create_graph_is_unchanged():
     """create_graph=True without a second backward gives the same first-order gradient as a plain backward."""
     import mfuwatch.kernels as mk
