@@ -75,6 +75,8 @@ def _setup_context(ctx, inputs, output):
     x, residual, weight, _eps, offset, llama_cast, n_dims = inputs
     ctx.save_for_backward(output[1], weight, output[2])
     ctx.mark_non_differentiable(output[2])
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only the weight: x + residual has no grad
+        ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)  # an unused new_residual then costs no zero-filled gradient
     ctx.offset, ctx.llama_cast, ctx.n_dims = offset, llama_cast, n_dims
     ctx.dtypes = (x.dtype, residual.dtype)
@@ -123,6 +125,8 @@ class AddRMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, residual, weight, eps, offset, llama_cast, n):
         y, s, _, rstd = K.norm_fwd(x, weight, None, residual, n, eps, offset, True, llama_cast)
         ctx.save_for_backward(s, weight, rstd)
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only the weight: x + residual has no grad
+            ctx.mark_non_differentiable(s)
         ctx.set_materialize_grads(False)
         ctx.offset, ctx.llama_cast, ctx.n = offset, llama_cast, n
         ctx.dtypes = (x.dtype, residual.dtype)

@@ -214,3 +214,18 @@ def test_views_of_leaves_get_their_own_gradients(gen):
     (y.sum() + h.sum()).backward()
     assert not _shares_storage(a.grad, b.grad)
     assert torch.equal(a.grad.view(6, 40), b.grad.view(6, 40))
+
+
+@pytest.mark.parametrize("custom_op", [False, True], ids=["function", "custom_op"])
+def test_only_the_weight_trains(monkeypatch, custom_op, gen):
+    # x + residual depends on no trainable tensor: like plain PyTorch, it carries no autograd history
+    monkeypatch.setattr(add_rmsnorm, "use_custom_op", lambda *t: custom_op)
+    x, r = (torch.randn(5, 24, generator=gen).to(DEVICE) for _ in range(2))
+    w = (1.0 + 0.1 * torch.randn(24, generator=gen)).to(DEVICE).requires_grad_()
+    y, h = add_rms_norm(x, r, w)
+    assert y.requires_grad and not h.requires_grad and h.grad_fn is None
+    dy = torch.randn(5, 24, generator=gen).to(DEVICE)
+    (y * dy).sum().backward()
+    wd = w.detach().double().requires_grad_()
+    (ref_add_rms_norm(x, r, wd, 1e-6)[0] * dy.double()).sum().backward()
+    assert_close(w.grad, wd.grad, torch.float32, "dw")
