@@ -42,6 +42,7 @@ import time
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 #: True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``),
 #: read once, as Triton itself does when it decorates the kernels.
@@ -451,7 +452,7 @@ def gpu_ms(fn: Callable[[], Any], target_ms: float = 2.0, rounds: int = 3) -> fl
     ``fn`` runs once to compile and warm up, once timed to size the loop, then ``rounds`` times
     ``k`` calls (``k`` so that a round takes about ``target_ms``, 3 to 200 calls) between two CUDA
     events. Each round starts behind a GPU wait (``torch.cuda._sleep``) longer than the host needs to
-    enqueue its calls, so the events time the kernels alone, without the host's launch gaps, and
+    enqueue its calls (up to 100 ms), so the events time the kernels alone, without the host's launch gaps, and
     each call finds what the previous one left in L2, as in CUDA-graph replay and in a training
     step, where a norm's input has just been written. ``triton.testing.do_bench``, used before,
     clears L2 and lets host time into small kernels' timings: at 4096 x 2048 it could not separate
@@ -471,8 +472,8 @@ def gpu_ms(fn: Callable[[], Any], target_ms: float = 2.0, rounds: int = 3) -> fl
     sleep = getattr(torch.cuda, "_sleep", None)
     per_call = []
     for _ in range(rounds):
-        if sleep is not None:  # twice the host's time for k calls, and at least 50 µs
-            sleep(int(max(2 * k * host_s, 50e-6) * _SLEEP_CYCLES_PER_S))
+        if sleep is not None:  # twice the host's time for k calls, at least 50 µs, at most 100 ms
+            sleep(int(min(max(2 * k * host_s, 50e-6), 0.1) * _SLEEP_CYCLES_PER_S))
         start.record()
         for _ in range(k):
             fn()
@@ -508,14 +509,17 @@ def use_custom_op(*tensors) -> bool:
 
 
 def needs_grad(a: torch.Tensor, b: Optional[torch.Tensor] = None, c: Optional[torch.Tensor] = None) -> bool:
-    """Whether a call records autograd history: grad mode on and an input that requires grad.
+    """Whether a call records autograd history: grad mode on and an input that requires grad, or a forward-mode
+    AD level open (``torch.autograd.forward_ad.dual_level``).
 
     When it does not (inference, ``torch.no_grad()``, evaluation, frozen inputs), the functionals call the
     launcher directly and skip the ``autograd.Function`` (about 7 µs of host time per call on the H200
-    machines' hosts: ``benchmarks/host_overhead.py``); the outputs are the same tensors either way.
+    machines' hosts: ``benchmarks/host_overhead.py``); the outputs are the same tensors either way. Under
+    forward-mode AD they take the ``autograd.Function``, which raises PyTorch's "implement the jvp" error
+    for a dual input: the direct launch would return a result without its tangent.
     """
-    return torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad)
-                                        or (c is not None and c.requires_grad))
+    return (torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad)
+                                         or (c is not None and c.requires_grad))) or _forward_ad._current_level >= 0
 
 
 def empty_width_norm(x: torch.Tensor, weight: Optional[torch.Tensor], offset: float, llama: bool,

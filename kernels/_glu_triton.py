@@ -175,12 +175,15 @@ def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: 
     du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if dg.numel() == 0:
         return dg, du
-    if not use_triton(gate):
-        with torch.enable_grad():
-            g = gate.detach().float().requires_grad_()
-            a = _torch_act(g, activation)
-            (da,) = torch.autograd.grad(a, g, dy.float() * up.float())
-        return dg.copy_(da), du.copy_(dy.float() * a.detach())
+    if not use_triton(gate):  # PyTorch fallback in fp32: aten's own activation backward (no autograd needed,
+        # so it also runs inside the custom op, where autograd is off: under torch.compile or FlopCounterMode)
+        g = gate.float()
+        gu = dy.float() * up.float()
+        if activation == "silu":
+            da = torch.ops.aten.silu_backward(gu, g)
+        else:
+            da = torch.ops.aten.gelu_backward(gu, g, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return dg.copy_(da), du.copy_(dy.float() * _torch_act(g, activation))
     [(dy2, sdy), (g2, sg), (u2, su)], rows, n = _rows(dy, gate, up)
 
     def launch(c):

@@ -52,16 +52,19 @@ def _(x, residual, weight, eps, offset, llama_cast, n_dims):
 
 @torch.library.custom_op("mfuwatch::add_rms_norm_backward", mutates_args=())
 def _add_rms_norm_bwd_op(dy: Tensor, dres: Optional[Tensor], s: Tensor, weight: Optional[Tensor],
-                         rstd: Tensor, offset: float, llama_cast: bool, n_dims: int) -> Tuple[Tensor, Tensor]:
+                         rstd: Tensor, offset: float, llama_cast: bool, n_dims: int,
+                         two_grads: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(d sum, its second copy (empty unless two_grads), dw (empty without a weight))``."""
+    ds2 = s.new_empty(s.shape) if two_grads else s.new_empty(0)
     ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd.reshape(-1), dres, _width(s, n_dims), offset,
-                           True, llama_cast)
-    return ds, (dw if dw is not None else s.new_empty(0))
+                           True, llama_cast, dx_copy=ds2 if two_grads else None)
+    return ds, ds2, (dw if dw is not None else s.new_empty(0))
 
 
 @_add_rms_norm_bwd_op.register_fake
-def _(dy, dres, s, weight, rstd, offset, llama_cast, n_dims):
+def _(dy, dres, s, weight, rstd, offset, llama_cast, n_dims, two_grads):
     dw = weight.new_empty(weight.shape) if weight is not None else s.new_empty(0)
-    return s.new_empty(s.shape), dw
+    return s.new_empty(s.shape), (s.new_empty(s.shape) if two_grads else s.new_empty(0)), dw
 
 
 def _grads(ds: Tensor, x_dtype: torch.dtype, r_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
@@ -80,6 +83,9 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused new_residual then costs no zero-filled gradient
     ctx.offset, ctx.llama_cast, ctx.n_dims = offset, llama_cast, n_dims
     ctx.dtypes = (x.dtype, residual.dtype)
+    # two gradient tensors whenever both inputs need one: here (torch.compile, dispatch modes) whether an
+    # input is a leaf, or a view of one, cannot be told from what the op is given
+    ctx.two_grads = ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and x.dtype == residual.dtype
 
 
 def _backward(ctx, dy, dres, _drstd):
@@ -89,9 +95,9 @@ def _backward(ctx, dy, dres, _drstd):
             return None, None, None, None, None, None, None
         dx, dr = _grads(dres, *ctx.dtypes)
         return dx, dr, None, None, None, None, None
-    ds, dw = torch.ops.mfuwatch.add_rms_norm_backward(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast,
-                                                      ctx.n_dims)
-    dx, dr = _grads(ds, *ctx.dtypes)
+    ds, ds2, dw = torch.ops.mfuwatch.add_rms_norm_backward(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast,
+                                                           ctx.n_dims, ctx.two_grads)
+    dx, dr = (ds, ds2) if ctx.two_grads else _grads(ds, *ctx.dtypes)
     return dx, dr, (dw if weight is not None else None), None, None, None, None
 
 
@@ -201,13 +207,13 @@ def add_rms_norm_trailing(x: Tensor, residual: Tensor, weight: Optional[Tensor],
     x, residual: the same shape, at least ``n_dims`` dims; weight: None or ``n`` elements, ``n`` the
     product of the trailing sizes (e.g. shaped like those dims). Shapes are the caller's to check.
     """
-    if _width(x, n_dims) == 0:  # nothing to normalise: empty results, autograd-linked
+    n = _width(x, n_dims)
+    if n == 0:  # nothing to normalise: empty results, autograd-linked
         h = x + residual
         return empty_width_norm(h, weight, offset, llama), h
     if use_custom_op(x, residual, weight):
         y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, eps, offset, llama, n_dims)
         return y, s
-    n = _width(x, n_dims)
     if not needs_grad(x, residual, weight):
         y, s, _, _ = K.norm_fwd(x, weight, None, residual, n, eps, offset, True, llama)
         return y, s
