@@ -55,10 +55,8 @@ def _add_rms_norm_bwd_op(dy: Tensor, dres: Optional[Tensor], s: Tensor, weight: 
                          rstd: Tensor, offset: float, llama_cast: bool, n_dims: int,
                          two_grads: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """``(d sum, its second copy (empty unless two_grads), dw (empty without a weight))``."""
-    ds2 = s.new_empty(s.shape) if two_grads else s.new_empty(0)
-    ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd.reshape(-1), dres, _width(s, n_dims), offset,
-                           True, llama_cast, dx_copy=ds2 if two_grads else None)
-    return ds, ds2, (dw if dw is not None else s.new_empty(0))
+    ds, ds2, dw = _sum_grad(dy, dres, s, weight, rstd.reshape(-1), offset, llama_cast, _width(s, n_dims), two_grads)
+    return ds, (ds2 if ds2 is not None else s.new_empty(0)), (dw if dw is not None else s.new_empty(0))
 
 
 @_add_rms_norm_bwd_op.register_fake
@@ -67,25 +65,44 @@ def _(dy, dres, s, weight, rstd, offset, llama_cast, n_dims, two_grads):
     return s.new_empty(s.shape), (s.new_empty(s.shape) if two_grads else s.new_empty(0)), dw
 
 
-def _grads(ds: Tensor, x_dtype: torch.dtype, r_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """The sum's gradient as the gradients of ``x`` and ``residual`` (one tensor when dtypes agree)."""
+def _sum_grad(dy: Tensor, dres: Optional[Tensor], s: Tensor, weight: Optional[Tensor], rstd: Tensor, offset: float,
+              llama_cast: bool, n: int, two_grads: bool) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(d sum, its second copy or None, dw or None)`` by the fused backward; the copy (``two_grads``) is
+    written by the kernel, see :func:`_two_grads`. rstd: fp32 ``(rows,)``."""
+    ds2 = torch.empty_like(s, memory_format=torch.contiguous_format) if two_grads else None
+    ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, n, offset, True, llama_cast, dx_copy=ds2)
+    return ds, ds2, dw
+
+
+def _grads(ds: Tensor, ds2: Optional[Tensor], x_dtype: torch.dtype, r_dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The sum's gradient as the gradients of ``x`` and ``residual``: ``(ds, ds2)`` when there is a second copy,
+    else ``ds`` for both (cast to an input's dtype where it differs)."""
+    if ds2 is not None:
+        return ds, ds2
     dx = ds if ds.dtype == x_dtype else ds.to(x_dtype)
     dr = ds if ds.dtype == r_dtype else ds.to(r_dtype)
     return dx, dr
 
 
+def _save(ctx, x: Tensor, residual: Tensor, weight: Optional[Tensor], s: Tensor, rstd: Tensor, offset: float,
+          llama_cast: bool, two_grads: bool) -> None:
+    """What both backward paths (``AddRMSNormFunction``, the custom op's autograd) keep on ``ctx``."""
+    ctx.save_for_backward(s, weight, rstd)
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only the weight: x + residual has no grad
+        ctx.mark_non_differentiable(s)
+    ctx.set_materialize_grads(False)  # an unused new_residual then costs no zero-filled gradient
+    ctx.offset, ctx.llama_cast, ctx.two_grads = offset, llama_cast, two_grads
+    ctx.dtypes = (x.dtype, residual.dtype)
+
+
 def _setup_context(ctx, inputs, output):
     x, residual, weight, _eps, offset, llama_cast, n_dims = inputs
-    ctx.save_for_backward(output[1], weight, output[2])
     ctx.mark_non_differentiable(output[2])
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only the weight: x + residual has no grad
-        ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)  # an unused new_residual then costs no zero-filled gradient
-    ctx.offset, ctx.llama_cast, ctx.n_dims = offset, llama_cast, n_dims
-    ctx.dtypes = (x.dtype, residual.dtype)
     # two gradient tensors whenever both inputs need one: here (torch.compile, dispatch modes) whether an
     # input is a leaf, or a view of one, cannot be told from what the op is given
-    ctx.two_grads = ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and x.dtype == residual.dtype
+    _save(ctx, x, residual, weight, output[1], output[2], offset, llama_cast,
+          ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and x.dtype == residual.dtype)
+    ctx.n_dims = n_dims
 
 
 def _backward(ctx, dy, dres, _drstd):
@@ -93,12 +110,11 @@ def _backward(ctx, dy, dres, _drstd):
     if dy is None:  # only the new residual was used
         if dres is None:
             return None, None, None, None, None, None, None
-        dx, dr = _grads(dres, *ctx.dtypes)
-        return dx, dr, None, None, None, None, None
+        return (*_grads(dres, None, *ctx.dtypes), None, None, None, None, None)
     ds, ds2, dw = torch.ops.mfuwatch.add_rms_norm_backward(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast,
                                                            ctx.n_dims, ctx.two_grads)
-    dx, dr = (ds, ds2) if ctx.two_grads else _grads(ds, *ctx.dtypes)
-    return dx, dr, (dw if weight is not None else None), None, None, None, None
+    return (*_grads(ds, ds2 if ctx.two_grads else None, *ctx.dtypes), (dw if weight is not None else None),
+            None, None, None, None)
 
 
 _add_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -130,13 +146,8 @@ class AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, llama_cast, n):
         y, s, _, rstd = K.norm_fwd(x, weight, None, residual, n, eps, offset, True, llama_cast)
-        ctx.save_for_backward(s, weight, rstd)
-        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only the weight: x + residual has no grad
-            ctx.mark_non_differentiable(s)
-        ctx.set_materialize_grads(False)
-        ctx.offset, ctx.llama_cast, ctx.n = offset, llama_cast, n
-        ctx.dtypes = (x.dtype, residual.dtype)
-        ctx.two_grads = _two_grads(ctx, x, residual)
+        _save(ctx, x, residual, weight, s, rstd, offset, llama_cast, _two_grads(ctx, x, residual))
+        ctx.n = n
         return y, s
 
     @staticmethod
@@ -146,14 +157,9 @@ class AddRMSNormFunction(torch.autograd.Function):
         if dy is None:
             if dres is None:
                 return None, None, None, None, None, None, None
-            return (*_grads(dres, *ctx.dtypes), None, None, None, None, None)
-        if ctx.two_grads:
-            dr = torch.empty_like(s, memory_format=torch.contiguous_format)
-            ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, ctx.n, ctx.offset, True,
-                                   ctx.llama_cast, dx_copy=dr)
-            return ds, dr, dw, None, None, None, None
-        ds, dw, _ = K.norm_bwd(dy, s, weight, False, None, rstd, dres, ctx.n, ctx.offset, True, ctx.llama_cast)
-        return (*_grads(ds, *ctx.dtypes), dw, None, None, None, None)
+            return (*_grads(dres, None, *ctx.dtypes), None, None, None, None, None)
+        ds, ds2, dw = _sum_grad(dy, dres, s, weight, rstd, ctx.offset, ctx.llama_cast, ctx.n, ctx.two_grads)
+        return (*_grads(ds, ds2, *ctx.dtypes), dw, None, None, None, None)
 
 
 def _two_grads(ctx, x: Tensor, residual: Tensor) -> bool:
