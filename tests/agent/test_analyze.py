@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,8 @@ from mfuwatch.agent.analyze import main
 from mfuwatch.agent.roofline import window_from_dict
 from mfuwatch.agent.schema import BUSY_CATEGORIES
 from tests.helpers.chrome_trace_builder import TraceBuilder
+from tests.helpers.traces import TRACES
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "traces"
 LLAMA = str(TRACES / "llama_bf16_eager.json.gz")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,8 @@ from mfuwatch.agent.roofline import Peaks, analyze_events, kernel_name_bound, op
 from mfuwatch.agent.schema import BUSY_CATEGORIES, to_record
 from mfuwatch.agent.trace import TraceError, read_trace
 from tests.helpers.chrome_trace_builder import TraceBuilder
+from tests.helpers.traces import TRACES
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "traces"
 BF16 = "c10::BFloat16"
 # a made-up GPU with round numbers: CUDA-core balance 10 FLOP/B, bf16 tensor-core balance 100 FLOP/B
 TOY = {"peak_flops": {"fp32": 10e12, "bf16": 100e12}, "memory_bandwidth_bytes_per_second": 1e12}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,8 +12,8 @@ from mfuwatch.agent.roofline import analyze_events
 from mfuwatch.agent.trace import read_trace
 from mfuwatch.kernels import traffic
 from tests.helpers.chrome_trace_builder import TraceBuilder
+from tests.helpers.traces import TRACES
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "traces"
 BF16, F32 = "c10::BFloat16", "float"
 BW = 1e12  # calibrated bandwidth given to the analysis, bytes/s
 PEAKS = {"peak_flops": {"fp32": 10e12, "bf16": 100e12}, "memory_bandwidth_bytes_per_second": 2e12,
