@@ -14,8 +14,8 @@ from typing import List, Optional
 
 COMMANDS = {
     "demo": ("mfuwatch.agent.demo", "run a small real training job with the agent attached"),
-    "analyze": ("mfuwatch.agent.analyze", "time breakdown, top ops and suggestions of a torch.profiler trace"),
-    "report": ("mfuwatch.agent.report", "a self-contained HTML report from an agent timeline (JSONL)"),
+    "analyze": ("mfuwatch.agent.analysis.analyze", "time breakdown, top ops and suggestions of a torch.profiler trace"),
+    "report": ("mfuwatch.agent.report.html", "a self-contained HTML report from an agent timeline (JSONL)"),
     "alerts": ("mfuwatch.alerts.cli", "alert rules: render Prometheus rules, check a config"),
 }
 

@@ -21,12 +21,14 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Mapping, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 from . import flops as flops_mod
+from . import peaks
 from .clock import Interval, StepClock
 from .config import AgentConfig, ConfigError, load_config
 from .errors import ErrorCounter
@@ -64,6 +66,23 @@ def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
     if t.is_floating_point() and t.dim() == 3:
         return int(t.shape[0] * t.shape[1]), int(t.shape[1])
     return int(t.shape[0]), None
+
+
+@dataclass
+class _Interval:
+    """Sums over the step-clock intervals since the last report (agent thread only).
+
+    ``seconds``/``timed_*`` leave out the untimed first step (its duration is NaN);
+    ``start`` is ``time.monotonic()`` when the sums began; ``last`` the latest interval.
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    timed_steps: int = 0
+    timed_tokens: int = 0
+    start: float = field(default_factory=time.monotonic)
+    last: Optional[Interval] = None
 
 
 class Agent:
@@ -125,34 +144,35 @@ class Agent:
         self._peak_warned = False
         self._run_info_dirty = False
         self._mfu_warned = False
-        self._gpu_spec: Any = None
+        #: the GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)
+        self.gpu_peaks: Optional[peaks.Peaks] = None
 
         self.exporter = Exporter(self.run_info)
         self.registry = self.exporter.registry
         self.errors.listeners.append(self.exporter.count_error)
         self.exporter_url = ""
         if cfg.exporter:
-            port = cfg.port + cfg.local_rank if cfg.port else 0
             try:
-                self.exporter_url = self.exporter.serve(port, cfg.bind, cfg.tls_certfile, cfg.tls_keyfile)
+                self.exporter_url = self.exporter.serve(cfg.exporter_port, cfg.bind, cfg.tls_certfile,
+                                                        cfg.tls_keyfile)
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
         self._sd_target = None
         if cfg.file_sd_dir and self.exporter_url:
-            from .integrations.distributed import register_agent
+            from .distributed import register_agent
 
             self._sd_target = register_agent(self, cfg.file_sd_dir)  # counts its own failures
         self.timeline = Timeline(cfg.timeline)
         self.clock = StepClock(self.device)
 
-        # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
-        self._resolve_peak()
-
         self.nvml = None
         self.profiler = None
         self.alerts = None
-        self._start_nvml()
+        self._start_nvml()  # first: its PCI device id identifies the GPU in the peak table
+        # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
+        self._resolve_gpu_peaks()
+        self._resolve_peak()
         self._start_alerts()
         self._start_profiler()
 
@@ -160,7 +180,7 @@ class Agent:
         self.timeline.write(to_record("run", self.run_info))
         self._run_info_dirty = False
         self._last_gpu_write = 0.0
-        self._acc: Dict[str, Any] = self._new_acc()
+        self._acc = _Interval()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
         self._thread.start()
         _live_agents.add(self)
@@ -218,15 +238,30 @@ class Agent:
             log.warning("mfuwatch: no model, no flops_per_step and no model_shape: MFU is not reported "
                         "(pass flops_per_step=... or model_shape={'n_layers':..,'d_model':..,'n_params':..})")
 
+    def _resolve_gpu_peaks(self) -> None:
+        """The GPU's :class:`peaks.Peaks` from the one resolver (NVML PCI id first, else the CUDA name).
+
+        A GPU missing from the table gets ``None`` and one warning, unless ``peak_flops`` or
+        ``calibrate`` gives the MFU denominator anyway.
+        """
+        if self.device.type != "cuda":
+            return
+        cfg = self.config
+        try:
+            self.gpu_peaks = peaks.resolve_peaks(self.run_info.gpu_name or None, self._pci_device_id(),
+                                                 warn=cfg.peak_flops is None and not cfg.calibrate)
+            if self.gpu_peaks is not None:
+                self.run_info.peak_memory_bandwidth_bytes_per_second = self.gpu_peaks.memory_bandwidth_bytes_per_second
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("peak", exc)
+
     def _resolve_peak(self) -> None:
-        """Peak FLOP/s: user value > calibration > datasheet table. Unknown GPU => None + one warning."""
+        """Peak FLOP/s: user value > calibration > the GPU's peaks for the training dtype. Unknown => None."""
         cfg = self.config
         try:
             if cfg.peak_flops is not None:
                 self._set_peak(cfg.peak_flops, "user (peak_flops)")
                 return
-            from . import peaks
-
             if cfg.calibrate:
                 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._dtype_key or "", torch.float32)
                 self._set_peak(peaks.calibrate_matmul(self.device, dtype), f"calibrated ({_dkey(dtype)} matmul)")
@@ -239,23 +274,11 @@ class Agent:
                 return
             if self._dtype_key is None:
                 return  # wait for the first forward to know the training dtype
-            name, pci = self.run_info.gpu_name, self._pci_device_id()
-            spec = peaks.lookup(name=name, pci_device_id=pci)
-            self._gpu_spec = spec
-            if spec is None:
-                if not self._peak_warned:
-                    self._peak_warned = True
-                    log.warning("mfuwatch: GPU %r (PCI device id %s) is not in the peak table: MFU is not reported. "
-                                "Pass peak_flops=<dense FLOP/s for %s> or calibrate=True.",
-                                name, hex(pci) if pci is not None else "unknown", self._dtype_key)
-                return
-            value = spec.peak_flops.get(self._dtype_key)
+            value, source = peaks.mfu_peak(self.gpu_peaks, self._dtype_key)  # warns once for a missing dtype
             if value:
-                self._set_peak(value, spec.source)
-            elif not self._peak_warned:
-                self._peak_warned = True
-                log.warning("mfuwatch: %s has no %s peak in the table (%s): MFU is not reported; pass "
-                            "peak_flops=<FLOP/s> or calibrate=True", spec.name, self._dtype_key, spec.source)
+                self._set_peak(value, source)
+            else:
+                self._peak_warned = True  # final: the table has nothing for this GPU and dtype
         except Exception as exc:  # noqa: BLE001
             self.errors.count("peak", exc)
 
@@ -310,7 +333,7 @@ class Agent:
 
             self.profiler = ProfilerSampler(
                 every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,
-                active_steps=self.config.profile_active_steps, device=self.device, gpu_spec=self._gpu_spec,
+                active_steps=self.config.profile_active_steps, device=self.device, peaks=self.gpu_peaks,
                 top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
             )
         except Exception as exc:  # noqa: BLE001
@@ -371,10 +394,7 @@ class Agent:
             autocast_dtype = None
         p = next(module.parameters(), None)
         param_dtype = p.dtype if p is not None else torch.float32
-        from . import peaks
-
-        tf32 = bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
-        self._dtype_key = peaks.training_dtype_key(param_dtype, autocast_dtype, tf32 and dev == "cuda")
+        self._dtype_key = peaks.training_dtype_key(param_dtype, autocast_dtype, dev == "cuda" and peaks.torch_allows_tf32())
         self.run_info.dtype = self._dtype_key
         self._run_info_dirty = True
         if self._peak is None:
@@ -458,10 +478,6 @@ class Agent:
             self.errors.count("hooks", exc)
 
     # -------------------------------------------------------------- agent thread
-    def _new_acc(self) -> Dict[str, Any]:
-        return {"steps": 0, "seconds": 0.0, "tokens": 0, "timed_steps": 0, "timed_tokens": 0,
-                "start": time.monotonic(), "last": None}
-
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
             self._tick(final=False)
@@ -474,11 +490,11 @@ class Agent:
                 self.timeline.write(to_record("run", self.run_info))
             for iv in self.clock.poll():
                 self._absorb(iv)
-                if self._acc["steps"] >= self.config.report_every_steps:
+                if self._acc.steps >= self.config.report_every_steps:
                     self._report()  # one measurement per report_every_steps, however many steps one poll finds
             acc = self._acc
-            due = acc["steps"] > 0 and time.monotonic() - acc["start"] >= 10.0  # slow steps: at least every 10 s
-            if due or (final and acc["steps"] > 0):
+            due = acc.steps > 0 and time.monotonic() - acc.start >= 10.0  # slow steps: at least every 10 s
+            if due or (final and acc.steps > 0):
                 self._report()
         except Exception as exc:  # noqa: BLE001
             self.errors.count("agent", exc)
@@ -486,13 +502,13 @@ class Agent:
     def _absorb(self, iv: Interval) -> None:
         acc = self._acc
         timed = iv.seconds == iv.seconds  # NaN for the untimed first step
-        acc["steps"] += iv.steps
-        acc["tokens"] += iv.tokens
+        acc.steps += iv.steps
+        acc.tokens += iv.tokens
         if timed:
-            acc["seconds"] += iv.seconds
-            acc["timed_steps"] += iv.steps
-            acc["timed_tokens"] += iv.tokens
-        acc["last"] = iv
+            acc.seconds += iv.seconds
+            acc.timed_steps += iv.steps
+            acc.timed_tokens += iv.tokens
+        acc.last = iv
         self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
 
     def flops_per_step(self, tokens_per_step: float) -> tuple:
@@ -516,23 +532,23 @@ class Agent:
         return None, None
 
     def _report(self) -> None:
-        acc, self._acc = self._acc, self._new_acc()
-        last: Interval = acc["last"]
+        acc, self._acc = self._acc, _Interval()
+        last: Interval = acc.last
         loss = last.loss
         if isinstance(loss, torch.Tensor):
             loss = float(loss.item())  # its step has completed on the device: no wait
-        if acc["timed_steps"] == 0 or acc["seconds"] <= 0:
+        if acc.timed_steps == 0 or acc.seconds <= 0:
             return
-        step_time = acc["seconds"] / acc["timed_steps"]
-        tokens_per_step = acc["timed_tokens"] / acc["timed_steps"]
+        step_time = acc.seconds / acc.timed_steps
+        tokens_per_step = acc.timed_tokens / acc.timed_steps
         model_f, hw_f = self.flops_per_step(tokens_per_step)
         if self._peak is None and self._dtype_key is not None and not self._peak_warned:
             self._resolve_peak()
         peak = self._peak
         mfs = model_f / step_time if model_f else 0.0
         m = StepMeasurement(
-            step=last.last_step, steps=acc["steps"], timestamp=last.end_wall, step_time_seconds=step_time,
-            tokens=acc["tokens"], tokens_per_second=tokens_per_step / step_time,
+            step=last.last_step, steps=acc.steps, timestamp=last.end_wall, step_time_seconds=step_time,
+            tokens=acc.tokens, tokens_per_second=tokens_per_step / step_time,
             model_flops=model_f or 0.0, hardware_flops=hw_f or 0.0, model_flops_per_second=mfs,
             mfu=(mfs / peak) if (peak and model_f) else None,
             hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,

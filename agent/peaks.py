@@ -1,23 +1,27 @@
-"""Peak FLOP/s and memory bandwidth of one GPU: the MFU denominator and the machine balance.
+"""Peak FLOP/s and memory bandwidth of one GPU: the MFU denominator and the roofline's machine balance.
 
 The numbers live in ``agent/data/gpus.yaml``, one row per product, each row citing its
-datasheet; tensor rates are dense (no 2:4 sparsity). A GPU is found by its NVML PCI
-device id where the row lists one, else by its name (see :func:`lookup`). A GPU that is
-not in the table gets no peak, and one warning that names it and says how to pass
-``peak_flops`` or ``calibrate=True``: the agent never borrows another GPU's numbers.
+datasheet; tensor rates are dense (no 2:4 sparsity). :func:`resolve_peaks` is the one
+resolver: the agent (MFU), the profiler window (in its child process) and ``mfuwatch
+analyze`` all get their :class:`Peaks` from it. A GPU is found by its NVML PCI device id
+where the row lists one, else by its name (:func:`lookup`); a GPU missing from the table
+gets no peak, and one warning that names it and says how to pass ``peak_flops`` or
+``calibrate=True``: the agent never borrows another GPU's numbers.
 
 ``calibrate_matmul`` / ``calibrate_bandwidth`` measure instead of looking up (the CPU demo
 uses them). Usage::
 
     from mfuwatch.agent import peaks
+    p = peaks.resolve_peaks(name="NVIDIA H200", pci_device_id=0x233510DE)  # the H200 SXM row
     key = peaks.training_dtype_key(torch.float32, torch.bfloat16, peaks.torch_allows_tf32())
-    flops, source = peaks.resolve_peak("cuda:0", key, tf32_allowed=False)   # 989.4e12 on an H200
+    flops, source = peaks.mfu_peak(p, key)                                   # 989.4e12 for bf16
 
 This module imports torch only inside the functions that need it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -25,7 +29,7 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: The dtype keys of every row, in the order of the YAML file.
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: The keys a :class:`Peaks` may hold: the table's, and "fp64" (given by flags; the table has no fp64 column).
+PEAK_KEYS = DTYPES + ("fp64",)
 TABLE_PATH = Path(__file__).resolve().parent / "data" / "gpus.yaml"
 _NVIDIA_VENDOR_ID = 0x10DE
 _warned: set = set()  # (kind, name) pairs already warned about, so each warning appears once
@@ -222,39 +228,140 @@ def torch_allows_tf32() -> bool:
     return allowed or torch.get_float32_matmul_precision() != "highest"
 
 
-def resolve_peak(device: Any, dtype: Any, *, tf32_allowed: bool, name: Optional[str] = None,
-                 pci_device_id: Optional[int] = None) -> Tuple[Optional[float], str]:
-    """Dense peak FLOP/s of one GPU for ``dtype``, with the row's datasheet citation.
+@dataclass
+class Peaks:
+    """Peak FLOP/s and memory bandwidth of one device: the MFU denominator and the roofline's input.
 
-    ``dtype`` is a table key or a torch dtype; ``"fp32"`` becomes ``"tf32"`` when
-    ``tf32_allowed``. ``name`` defaults to ``torch.cuda.get_device_name(device)``. Returns
-    ``(None, "")`` for a non-CUDA device, and for a GPU missing from the table (after one
-    warning naming it and how to pass ``peak_flops``); ``(None, source)`` when the GPU has
-    no unit for the dtype (FP8 on an A100), also with one warning.
+    ``peak_flops``: dense FLOP/s per key of :data:`PEAK_KEYS` ("fp32" = CUDA cores; "tf32",
+    "bf16", "fp16", "fp8" = tensor cores), keys the device lacks left out.
+    ``memory_bandwidth_bytes_per_second``: peak device-memory bandwidth (bytes/s).
+    ``name``/``source``: the table row's product name and datasheet citation ("calibrated",
+    "flags" otherwise). ``fp32_matmul``: the unit fp32 matmuls use, "fp32" (torch's default)
+    or "tf32". ``measured_bandwidth_bytes_per_second``: a calibrated bandwidth, preferred for
+    the replacement times of suggestions. The one serialised form (for the profiler window's
+    child process) is :meth:`to_dict` / :meth:`from_any`.
+
+    Raises:
+        ValueError: no positive FLOP/s value, or a non-positive bandwidth.
     """
-    dev_type = getattr(device, "type", None) or str(device).split(":")[0]
-    if dev_type != "cuda":
-        return None, ""
-    key = training_dtype_key(dtype, None, tf32_allowed)
-    if name is None:
-        import torch
 
-        name = torch.cuda.get_device_name(device)
-    spec = lookup(name, pci_device_id)
-    if spec is None:
-        _warn_once("unknown", f"{name}/{pci_device_id}", unknown_gpu_message(name, pci_device_id))
+    peak_flops: Dict[str, float]
+    memory_bandwidth_bytes_per_second: float
+    name: str = ""
+    source: str = ""
+    measured_bandwidth_bytes_per_second: Optional[float] = None
+    fp32_matmul: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops or not any(v and v > 0 for v in self.peak_flops.values()):
+            raise ValueError("peak_flops: need at least one positive FLOP/s value, e.g. {'fp32': 67e12}")
+        if not self.memory_bandwidth_bytes_per_second or self.memory_bandwidth_bytes_per_second <= 0:
+            raise ValueError("memory_bandwidth_bytes_per_second: need a positive bandwidth in bytes/s")
+        if self.fp32_matmul not in ("fp32", "tf32"):
+            raise ValueError(f"fp32_matmul: expected 'fp32' or 'tf32', got {self.fp32_matmul!r}")
+
+    @classmethod
+    def from_spec(cls, spec: GpuSpec) -> "Peaks":
+        """The peaks of one table row (dtypes the GPU lacks left out)."""
+        return cls(peak_flops={k: v for k, v in spec.peak_flops.items() if v},
+                   memory_bandwidth_bytes_per_second=spec.memory_bandwidth_bytes_per_second,
+                   name=spec.name, source=spec.source)
+
+    @classmethod
+    def from_any(cls, obj: Any) -> "Peaks":
+        """Accept a :class:`Peaks`, a :class:`GpuSpec`, or a mapping with the fields of :meth:`to_dict`
+        (``peak_flops`` and ``memory_bandwidth_bytes_per_second`` required).
+
+        Raises:
+            ValueError: missing or non-positive peak or bandwidth.
+        """
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, GpuSpec):
+            return cls.from_spec(obj)
+        get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
+        measured = get("measured_bandwidth_bytes_per_second")
+        return cls(peak_flops={k: float(v) for k, v in (get("peak_flops") or {}).items() if v},
+                   memory_bandwidth_bytes_per_second=float(get("memory_bandwidth_bytes_per_second") or 0.0),
+                   name=str(get("name", "") or ""), source=str(get("source", "") or ""),
+                   measured_bandwidth_bytes_per_second=float(measured) if measured else None,
+                   fp32_matmul=str(get("fp32_matmul", "fp32") or "fp32"))
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready fields; :meth:`from_any` reads them back into an equal :class:`Peaks`."""
+        return dataclasses.asdict(self)
+
+    def flops_for(self, dtype: Optional[str], matmul: bool) -> float:
+        """Peak FLOP/s of the unit an op uses: tensor cores of ``dtype`` for matmul-like ops, else fp32."""
+        fp32 = self.peak_flops.get("fp32") or max(self.peak_flops.values())
+        if not matmul or dtype is None:
+            return fp32
+        key = self.fp32_matmul if dtype == "fp32" else dtype
+        return self.peak_flops.get(key) or fp32
+
+    def balance(self, dtype: Optional[str], matmul: bool) -> float:
+        """Machine balance in FLOP/byte for that unit (peak FLOP/s / peak memory bandwidth)."""
+        return self.flops_for(dtype, matmul) / self.memory_bandwidth_bytes_per_second
+
+
+def resolve_peaks(name: Optional[str] = None, pci_device_id: Optional[int] = None, *,
+                  peak_flops: Optional[Mapping[str, float]] = None,
+                  memory_bandwidth_bytes_per_second: Optional[float] = None,
+                  measured_bandwidth_bytes_per_second: Optional[float] = None, fp32_matmul: str = "fp32",
+                  warn: bool = True) -> Optional[Peaks]:
+    """The :class:`Peaks` of one GPU: the one resolver of the agent, the profiler window and ``analyze``.
+
+    The table row is found by ``pci_device_id`` first (NVML's 32-bit ``pciDeviceId`` or a 16-bit
+    device id), else by ``name`` (:func:`lookup`). ``peak_flops`` (FLOP/s per dtype key) and
+    ``memory_bandwidth_bytes_per_second`` given together replace the table (``name`` is kept as the
+    label); one of them alone overrides the row's values (``peak_flops`` key by key). Returns ``None`` when the GPU is not in the table and the values given do not
+    make a complete :class:`Peaks`, after one warning naming the GPU (``warn=False``: silent, the
+    caller reports it).
+
+    Raises:
+        ValueError: a ``peak_flops`` key outside :data:`PEAK_KEYS` or a non-positive value.
+    """
+    given = dict(peak_flops or {})
+    for k, v in given.items():
+        if k not in PEAK_KEYS or not (isinstance(v, (int, float)) and v > 0):
+            raise ValueError(f"peak_flops: expected {{dtype: positive FLOP/s}} with dtype in {', '.join(PEAK_KEYS)}, "
+                             f"got {k}={v!r}")
+    complete = bool(given and memory_bandwidth_bytes_per_second)
+    spec = lookup(name, pci_device_id) if not complete and (name or pci_device_id is not None) else None
+    if spec is None and not complete:
+        if warn:
+            _warn_once("unknown", f"{name}/{pci_device_id}", unknown_gpu_message(name, pci_device_id))
+        return None
+    base = Peaks.from_spec(spec) if spec is not None else None
+    return Peaks(peak_flops={**(base.peak_flops if base else {}), **{k: float(v) for k, v in given.items()}},
+                 memory_bandwidth_bytes_per_second=float(memory_bandwidth_bytes_per_second
+                                                         or base.memory_bandwidth_bytes_per_second),
+                 name=spec.name if spec is not None else (name or ""),
+                 source=spec.source if spec is not None else "flags",
+                 measured_bandwidth_bytes_per_second=measured_bandwidth_bytes_per_second, fp32_matmul=fp32_matmul)
+
+
+def mfu_peak(peaks: Optional[Peaks], dtype_key: str) -> Tuple[Optional[float], str]:
+    """``(peak FLOP/s, source)`` of ``peaks`` for the training dtype key (the MFU denominator).
+
+    ``(None, "")`` without peaks; ``(None, source)`` when the device has no unit for the dtype
+    (FP8 on an A100), after one warning. Raises ValueError for a key outside :data:`DTYPES`.
+    """
+    if dtype_key not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype_key!r}")
+    if peaks is None:
         return None, ""
-    peak = spec.peak_flops.get(key)
-    if peak is None:
-        _warn_once("dtype", f"{spec.name}/{key}",
-                   f"mfuwatch: {spec.name} has no {key} tensor-core peak ({spec.source}); MFU is "
-                   f"not reported. Pass peak_flops=<FLOP/s> to set one.")
-        return None, spec.source
-    return peak, spec.source
+    value = peaks.peak_flops.get(dtype_key)
+    if not value:
+        _warn_once("dtype", f"{peaks.name}/{dtype_key}",
+                   f"mfuwatch: {peaks.name or 'this device'} has no {dtype_key} peak ({peaks.source}); MFU is "
+                   f"not reported. Pass peak_flops=<FLOP/s> or calibrate=True.")
+        return None, peaks.source
+    return value, peaks.source
 
 
 def machine_balance(spec: GpuSpec, dtype: str, unit: str = "tensor") -> float:
-    """Peak FLOP/s over peak memory bandwidth, in FLOP/byte (DESIGN.md: "machine balance").
+    """Peak FLOP/s over peak memory bandwidth, in FLOP/byte (the machine balance, docs/architecture.md).
 
     ``unit="tensor"`` uses the dtype's tensor-core peak (``"fp32"`` is the CUDA-core rate,
     as in the table); ``unit="cuda"`` uses the fp32 CUDA-core peak whatever the dtype, the

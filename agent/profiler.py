@@ -5,7 +5,7 @@ the sampler starts ``torch.profiler.profile`` (CPU + CUDA activities, ``record_s
 with the schedule ``warmup_steps`` then ``active_steps``, driven by :meth:`on_step` at each
 optimizer step boundary. When the window closes, the trace is exported to a temporary file
 on the training thread (Kineto's C++ writer, tens of ms) and analysed by
-``python -m mfuwatch.agent.analyze --json`` in a child process at lower priority (nice 10
+``python -m mfuwatch.agent.analysis.analyze --json`` in a child process at lower priority (nice 10
 next to a GPU job, 5 next to CPU training, which keeps every core busy) with one BLAS thread: parsing tens of thousands of events in Python would otherwise take the GIL
 from the training loop (``prof.events()`` for a 5-step window of a 4-layer Llama took
 0.9 s of CPU on an H200 host). The child's :class:`WindowMeasurement` reaches
@@ -25,10 +25,12 @@ Guards:
   before; a slowdown above :data:`LASTING_SLOWDOWN` in both checks is reported once
   through ``on_error`` and stops further windows.
 
-On a CPU-only run the window records CPU ops only and is analysed with ``--device cpu``
-(each CPU op's self time acts as a kernel, see :mod:`.roofline`), against the ``gpu_spec`` mapping if
-given, else a CPU calibration (``peaks.calibrate_matmul(cpu, fp32)`` and
-``peaks.calibrate_bandwidth(cpu)``, about 2 s once per process).
+Peaks: the ``peaks`` given (the agent passes what :func:`mfuwatch.agent.peaks.resolve_peaks`
+found for its GPU, PCI id first), else ``resolve_peaks`` by the CUDA device name, else a
+calibration (``peaks.calibrate_matmul`` / ``calibrate_bandwidth``; on the CPU about 2 s once per
+process). They reach the child in one form: :meth:`Peaks.to_dict` as a JSON file, read back by
+``mfuwatch analyze --peaks``. On a CPU-only run the window records CPU ops only and is analysed
+with ``--device cpu`` (each CPU op's self time acts as a kernel, see :mod:`.analysis.roofline`).
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from .schema import WindowMeasurement
+from .peaks import Peaks
+from .schema import WindowMeasurement, window_from_record
 
 log = logging.getLogger("mfuwatch")
 
 #: Relative step-time increase after a window, sustained over 16 steps, reported as a lasting slowdown.
 LASTING_SLOWDOWN = 0.10
-_CPU_PEAKS: Optional[Dict[str, Any]] = None  # one CPU calibration per process
+_CPU_PEAKS: Optional[Peaks] = None  # one CPU calibration per process
 
 
 class ProfilerSampler:
@@ -65,8 +68,8 @@ class ProfilerSampler:
         warmup_steps: profiler warm-up steps before recording (0 allowed; torch warns).
         active_steps: recorded steps per window (>= 1).
         device: the training ``torch.device``; "cuda" records CUDA activities too.
-        gpu_spec: ``GpuSpec`` / mapping with ``peak_flops`` and ``memory_bandwidth_bytes_per_second``;
-            None ⇒ looked up by device name, else calibrated.
+        peaks: :class:`~mfuwatch.agent.peaks.Peaks` (or what :meth:`Peaks.from_any` accepts) of the
+            device; None ⇒ :func:`~mfuwatch.agent.peaks.resolve_peaks` by CUDA device name, else calibrated.
         top_k: ops kept in ``WindowMeasurement.top_ops``.
         on_window: called with each :class:`WindowMeasurement`, from a waiter thread.
         on_error: ``on_error("profiler", exc)`` for every failure (never raised to the caller).
@@ -81,7 +84,7 @@ class ProfilerSampler:
     """
 
     def __init__(self, *, every_steps: Optional[int] = None, every_seconds: Optional[float] = None,
-                 warmup_steps: int = 1, active_steps: int = 3, device: Any = "cpu", gpu_spec: Any = None,
+                 warmup_steps: int = 1, active_steps: int = 3, device: Any = "cpu", peaks: Any = None,
                  top_k: int = 8, on_window: Callable[[WindowMeasurement], None],
                  on_error: Callable[[str, BaseException], None], max_trace_bytes: int = 1 << 30,
                  analyze_timeout_seconds: float = 300.0,
@@ -99,7 +102,8 @@ class ProfilerSampler:
         self.cuda = self.device.type == "cuda"
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.warmup_steps, self.active_steps = int(warmup_steps), int(active_steps)
-        self.gpu_spec, self.top_k = gpu_spec, int(top_k)
+        self.peaks: Optional[Peaks] = None if peaks is None else Peaks.from_any(peaks)
+        self.top_k = int(top_k)
         self.on_window, self.on_error, self.on_outcome = on_window, on_error, on_outcome
         self.max_trace_bytes, self.analyze_timeout_seconds = max_trace_bytes, analyze_timeout_seconds
         #: window outcomes: ok, error, skipped_other_profiler, too_large (for profile_windows_total{outcome})
@@ -122,7 +126,6 @@ class ProfilerSampler:
         self._closing = False  # set by close(): results of a terminated child are dropped
         self._stopping = False  # set by close(): no new windows
         self._said_skip = False
-        self._peaks: Optional[Dict[str, Any]] = None
         self._child: Optional[subprocess.Popen] = None
         self._waiter: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -166,8 +169,8 @@ class ProfilerSampler:
             if torch.autograd._profiler_enabled():
                 self._skip_other()
                 return
-            if self._peaks is None:
-                self._peaks = self._resolve_peaks()
+            if self.peaks is None:
+                self.peaks = self._find_peaks()
             recent = list(self._intervals)[-32:]
             self._before = statistics.median(recent) if len(recent) >= 8 else None
             self._step_time = step_time_seconds or (statistics.median(recent) if recent else None)
@@ -240,15 +243,12 @@ class ProfilerSampler:
                                    f"later windows record {self.active_steps} step(s)")
             out = os.path.join(workdir, "window.out.json")
             nice = "10" if self.cuda else "5"  # CPU training owns the cores; a nicer child would starve
-            cmd = [sys.executable, "-m", "mfuwatch.agent.analyze", path, "--json", "--output", out, "--nice", nice,
-                   "--steps", str(self.active_steps), "--top-k", str(self.top_k),
-                   "--device", "cuda" if self.cuda else "cpu", "--fp32-matmul", self._peaks.get("fp32_matmul", "fp32"),
-                   "--bandwidth", repr(float(self._peaks["memory_bandwidth_bytes_per_second"]))]
-            for k, v in self._peaks["peak_flops"].items():
-                if v:
-                    cmd += ["--peak-flops", f"{k}={float(v)!r}"]
-            if self._peaks.get("measured_bandwidth_bytes_per_second"):
-                cmd += ["--measured-bandwidth", repr(float(self._peaks["measured_bandwidth_bytes_per_second"]))]
+            peaks_path = os.path.join(workdir, "peaks.json")
+            with open(peaks_path, "w", encoding="utf-8") as f:
+                json.dump(self.child_peaks().to_dict(), f)
+            cmd = [sys.executable, "-m", "mfuwatch.agent.analysis.analyze", path, "--json", "--output", out,
+                   "--nice", nice, "--steps", str(self.active_steps), "--top-k", str(self.top_k),
+                   "--device", "cuda" if self.cuda else "cpu", "--peaks", peaks_path]
             if self._step_time:
                 cmd += ["--step-time", repr(float(self._step_time))]
             env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
@@ -277,10 +277,8 @@ class ProfilerSampler:
             if child.returncode != 0:
                 tail = err.decode("utf-8", "replace").strip().splitlines()[-3:]
                 raise RuntimeError(f"window analysis exited with {child.returncode}: {' | '.join(tail)}")
-            from .roofline import window_from_dict
-
             with open(out, encoding="utf-8") as f:
-                wm = window_from_dict(json.load(f))
+                wm = window_from_record(json.load(f))
             wm.step, wm.timestamp = step, time.time()
             self._count("ok")
             self.on_window(wm)
@@ -319,35 +317,38 @@ class ProfilerSampler:
             f"steps after a profiler window are {ratio:.0%} slower than before it (CUPTI left attached?); "
             "profiler windows are disabled for this run (set TEARDOWN_CUPTI=1 or profile_every='off')"))
 
-    def _resolve_peaks(self) -> Dict[str, Any]:
-        """Peaks for the child: the given spec, else the peak table by device name, else a calibration."""
+    def child_peaks(self) -> Peaks:
+        """The peaks the window's child process analyses with: :attr:`peaks` with ``fp32_matmul`` set
+        to the unit torch runs fp32 matmuls on now ("tf32" when CUDA matmuls may use TF32)."""
+        import dataclasses
+
+        from .peaks import torch_allows_tf32
+
+        p = self.peaks if self.peaks is not None else self._find_peaks()
+        tf32 = self.cuda and torch_allows_tf32()
+        return dataclasses.replace(p, fp32_matmul="tf32" if tf32 else "fp32")
+
+    def _find_peaks(self) -> Peaks:
+        """No peaks given: the peak table by CUDA device name, else a calibration (blocks, once)."""
         import torch
 
         from . import peaks as table
 
-        spec = self.gpu_spec
-        if spec is None and self.cuda:
-            spec = table.lookup(name=torch.cuda.get_device_name(self.device))
-        if spec is not None:
-            get = spec.get if isinstance(spec, dict) else (lambda k, d=None: getattr(spec, k, d))
-            p = {"peak_flops": dict(get("peak_flops")), "memory_bandwidth_bytes_per_second":
-                 float(get("memory_bandwidth_bytes_per_second")),
-                 "measured_bandwidth_bytes_per_second": get("measured_bandwidth_bytes_per_second")}
-        elif self.cuda:
-            p = {"peak_flops": {"fp32": table.calibrate_matmul(self.device, "fp32"),
-                                "bf16": table.calibrate_matmul(self.device, "bf16"),
-                                "fp16": table.calibrate_matmul(self.device, "fp16")},
-                 "memory_bandwidth_bytes_per_second": table.calibrate_bandwidth(self.device)}
-            p["measured_bandwidth_bytes_per_second"] = p["memory_bandwidth_bytes_per_second"]
-        else:
-            global _CPU_PEAKS
-            if _CPU_PEAKS is None:
-                bw = table.calibrate_bandwidth(self.device)
-                _CPU_PEAKS = {"peak_flops": {"fp32": table.calibrate_matmul(self.device, "fp32")},
-                              "memory_bandwidth_bytes_per_second": bw, "measured_bandwidth_bytes_per_second": bw}
-            p = dict(_CPU_PEAKS)
-        p["fp32_matmul"] = "tf32" if self.cuda and torch.backends.cuda.matmul.allow_tf32 else "fp32"
-        return p
+        if self.cuda:
+            found = table.resolve_peaks(name=torch.cuda.get_device_name(self.device), warn=False)
+            if found is not None:
+                return found
+            bw = table.calibrate_bandwidth(self.device)
+            return Peaks(peak_flops={k: table.calibrate_matmul(self.device, k) for k in ("fp32", "bf16", "fp16")},
+                         memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
+                         source="calibrated")
+        global _CPU_PEAKS
+        if _CPU_PEAKS is None:
+            bw = table.calibrate_bandwidth(self.device)
+            _CPU_PEAKS = Peaks(peak_flops={"fp32": table.calibrate_matmul(self.device, "fp32")},
+                               memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
+                               name="cpu", source="calibrated")
+        return _CPU_PEAKS
 
     def close(self, wait_seconds: float = 0.8) -> None:
         """Stop any window; give a running analysis up to ``wait_seconds`` to finish and deliver its

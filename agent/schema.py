@@ -7,7 +7,7 @@ agent), the Grafana dashboards and the generated Prometheus alerting rules.
 This module imports nothing heavier than the standard library, so the alert
 and report command lines can read it without importing torch.
 
-Definitions (as in ``DESIGN.md``):
+Definitions (as in ``docs/architecture.md``):
 
 * **MFU** = model FLOPs per step / step time / peak FLOP/s of one GPU for the
   training dtype, per rank. Model FLOPs count the forward and backward of the
@@ -104,7 +104,11 @@ CATEGORIES = BUSY_CATEGORIES + ("idle",)
 
 @dataclass
 class RunInfo:
-    """Static facts about a run, exported as ``mfuwatch_run_info{...} 1``."""
+    """Static facts about a run, exported as ``mfuwatch_run_info{...} 1``.
+
+    Produced by :class:`mfuwatch.agent.core.Agent` at start-up (peak and dtype filled in once the
+    first forward shows the training dtype); read by the exporter, the timeline and the alerts.
+    """
 
     run: str
     rank: int = 0
@@ -129,6 +133,9 @@ class StepMeasurement:
     ``step`` is the index of the last optimizer step in the interval; ``steps``
     how many steps the interval covers. Durations in seconds, FLOPs in FLOP,
     rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown.
+
+    Produced by ``Agent._report`` (agent/core.py) on the agent thread, from the step clock's
+    intervals (agent/clock.py), the FLOP model and the peak of :mod:`mfuwatch.agent.peaks`.
     """
 
     step: int
@@ -147,7 +154,10 @@ class StepMeasurement:
 
 @dataclass
 class OpShare:
-    """One op's share of GPU busy time in a profiler window."""
+    """One op's share of GPU busy time in a profiler window.
+
+    Produced by :func:`mfuwatch.agent.analysis.roofline.measure` (``WindowMeasurement.top_ops``).
+    """
 
     op: str  # aten op name (e.g. ``aten::mm``) or a kernel-name rule's label
     bound: str  # "compute" | "memory" | "communication" | "other"
@@ -161,7 +171,11 @@ class OpShare:
 
 @dataclass
 class Suggestion:
-    """A remedy for memory-bound or launch-bound time, ranked existing fix first."""
+    """A remedy for memory-bound or launch-bound time, ranked existing fix first.
+
+    Produced by :func:`mfuwatch.agent.analysis.suggest.suggest` from the remedies registry of
+    :mod:`mfuwatch.kernels` (``WindowMeasurement.suggestions``).
+    """
 
     kernel: str  # short id, e.g. "rms_norm", "fused_adamw", "torch_compile"
     title: str
@@ -174,7 +188,12 @@ class Suggestion:
 
 @dataclass
 class WindowMeasurement:
-    """The result of one profiler window (or of ``mfuwatch analyze`` on a trace)."""
+    """The result of one profiler window (or of ``mfuwatch analyze`` on a trace).
+
+    Produced by :func:`mfuwatch.agent.analysis.analyze.analyze_events`, in the profiler sampler's
+    child process (agent/profiler.py) for live windows; it crosses back as one JSON record
+    (:func:`to_record` there, :func:`window_from_record` here).
+    """
 
     step: int
     timestamp: float
@@ -192,7 +211,10 @@ class WindowMeasurement:
 
 @dataclass
 class GpuHealth:
-    """One NVML sample. Any field is ``None`` when the GPU or driver does not report it."""
+    """One NVML sample. Any field is ``None`` when the GPU or driver does not report it.
+
+    Produced by :class:`mfuwatch.agent.nvml.NvmlSampler` on its own thread, about once a second.
+    """
 
     timestamp: float
     utilization: Optional[float] = None  # 0..1
@@ -217,3 +239,16 @@ def to_record(kind: str, obj: Any) -> Dict[str, Any]:
     rec = dataclasses.asdict(obj)
     rec["kind"] = kind
     return rec
+
+
+def window_from_record(rec: Dict[str, Any]) -> WindowMeasurement:
+    """Rebuild a :class:`WindowMeasurement` from its :func:`to_record` form (``mfuwatch analyze --json``).
+
+    Keys that are not fields (``kind``, ``analysis``) are dropped. Raises TypeError when a
+    required field is missing.
+    """
+    names = {f.name for f in dataclasses.fields(WindowMeasurement)}
+    d = {k: v for k, v in rec.items() if k in names}
+    d["top_ops"] = [OpShare(**o) for o in d.get("top_ops", [])]
+    d["suggestions"] = [Suggestion(**s) for s in d.get("suggestions", [])]
+    return WindowMeasurement(**d)

@@ -4,7 +4,7 @@ Generates a big chrome trace by repeating the real H200 Llama trace
 (``../shared/fixtures/traces/llama_bf16_eager.json.gz``) back to back with shifted
 timestamps, External ids, correlation ids, sequence numbers and flow ids, written one
 event at a time (the generator itself stays small), then runs
-``python -m mfuwatch.agent.analyze BIG --json`` in a child process and reads the child's
+``python -m mfuwatch.agent.analysis.analyze BIG --json`` in a child process and reads the child's
 wall time and peak RSS (``os.wait4``). Also measures the baseline of the same child
 importing torch's FLOP formulas and doing nothing else, since that import alone is a
 large part of the peak.
@@ -100,14 +100,14 @@ def main() -> None:
     info["generate_seconds"] = time.perf_counter() - t0
     result_json = out / "big_trace.analysis.json"
     rows = [("import torch.utils.flop_counter only", run_child(["-c", "import torch.utils.flop_counter"]), None)]
-    rows.append(("analyze big_trace.json", run_child(["-m", "mfuwatch.agent.analyze", str(path), "--json",
+    rows.append(("analyze big_trace.json", run_child(["-m", "mfuwatch.agent.analysis.analyze", str(path), "--json",
                                                       "--output", str(result_json)]), info["bytes"]))
     if a.gzip:
         gz = out / "big_trace.json.gz"
         with open(path, "rb") as f, gzip.open(gz, "wb", compresslevel=1) as g:
             while chunk := f.read(1 << 24):
                 g.write(chunk)
-        rows.append(("analyze big_trace.json.gz", run_child(["-m", "mfuwatch.agent.analyze", str(gz), "--json",
+        rows.append(("analyze big_trace.json.gz", run_child(["-m", "mfuwatch.agent.analysis.analyze", str(gz), "--json",
                                                              "--output", str(result_json)]), gz.stat().st_size))
         if not a.keep:
             gz.unlink()

@@ -23,7 +23,7 @@ with a synchronize each, after warm-up), MFU (analytic model FLOPs of the fixtur
 / step time / the GPU's dense bf16 peak from ``mfuwatch.agent.peaks``, the definition of
 DESIGN.md), the FLOPs ``FlopCounterMode`` counts for one step (eager; it must stay the
 same up to the fused ops' few elementwise FLOPs) and, from a 3-step profiler window
-classified by ``mfuwatch.agent.roofline.analyze_events``, the memory-bound share, the top
+classified by ``mfuwatch.agent.analysis.roofline.analyze_events``, the memory-bound share, the top
 ops and the agent's suggestions.
 """
 
@@ -245,8 +245,8 @@ def _profile(step, name, step_s):
         prof.export_chrome_trace(path)
         try:
             from mfuwatch.agent.peaks import lookup
-            from mfuwatch.agent.roofline import analyze_events
-            from mfuwatch.agent.trace import read_trace
+            from mfuwatch.agent.analysis.roofline import analyze_events
+            from mfuwatch.agent.analysis.trace import read_trace
 
             wm = analyze_events(read_trace(path).events(), spec_or_peaks=lookup(name=name), steps=3,
                                 step_time_seconds=step_s)

@@ -84,8 +84,8 @@ def base_name(name: str) -> str:
 def our_kernels(trace_path: str):
     """[(base name, µs, bound, flops share, balance)] of the trace's kernels in start order."""
     from mfuwatch.agent import peaks
-    from mfuwatch.agent.roofline import Peaks, build_window
-    from mfuwatch.agent.trace import read_trace, TraceIndex, GPU_CATEGORIES
+    from mfuwatch.agent.analysis.roofline import Peaks, build_window
+    from mfuwatch.agent.analysis.trace import read_trace, TraceIndex, GPU_CATEGORIES
 
     tf = read_trace(trace_path)
     spec = peaks.lookup(name=tf.device_properties[0]["name"])

@@ -77,7 +77,7 @@ def main() -> int:
     base = statistics.median(baseline)
 
     # cost of on_step when nothing is due
-    idle_sampler = ProfilerSampler(every_steps=10 ** 9, device=dev, gpu_spec=None, on_window=print, on_error=print)
+    idle_sampler = ProfilerSampler(every_steps=10 ** 9, device=dev, peaks=None, on_window=print, on_error=print)
     t0 = time.perf_counter_ns()
     for i in range(100_000):
         idle_sampler.on_step(i, 0.02)
@@ -88,7 +88,7 @@ def main() -> int:
     spec = peaks.lookup(name=name) if dev.type == "cuda" else None
     windows, errors = [], []
     done = threading.Event()
-    sampler = ProfilerSampler(every_steps=a.every_steps, warmup_steps=1, active_steps=3, device=dev, gpu_spec=spec,
+    sampler = ProfilerSampler(every_steps=a.every_steps, warmup_steps=1, active_steps=3, device=dev, peaks=spec,
                               top_k=8, on_window=lambda w: (windows.append(w), done.set()),
                               on_error=lambda c, e: (errors.append(f"{c}: {e!r}"), done.set()))
     phases = {k: [] for k in ("idle", "in window", "window end", "while analysing", "after")}

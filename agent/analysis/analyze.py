@@ -6,11 +6,13 @@ streaming (memory stays bounded on multi-GB traces), and prints the breakdown
 their share and bound, and the ranked suggestions with their expected gain — as tables,
 or as one JSON ``WindowMeasurement`` record with ``--json``.
 
-Peak FLOP/s and bandwidth: ``--peak-flops``/``--bandwidth`` when given; else the GPU
-named by ``--gpu``, else the trace's ``deviceProperties[0].name``, looked up in the peak
-table (``mfuwatch.agent.peaks``). Exit status: 0 on success, 1 when the file is not a
+Peak FLOP/s and bandwidth come from :func:`mfuwatch.agent.peaks.resolve_peaks` (the resolver
+the agent uses): the GPU named by ``--gpu``, else the trace's ``deviceProperties[0].name``,
+with ``--peak-flops``/``--bandwidth`` overriding the table row; ``--peaks FILE`` reads a whole
+:class:`~mfuwatch.agent.peaks.Peaks` as JSON instead (the profiler sampler passes the agent's
+peaks to its child process this way). Exit status: 0 on success, 1 when the file is not a
 readable trace (not JSON, truncated, no GPU activity) or the GPU is unknown, 2 on usage
-errors. The profiler sampler runs this module in a child process on each live window.
+errors.
 
     mfuwatch analyze trace.json.gz
     mfuwatch analyze trace.json --json --steps 3 --step-time 0.0267
@@ -23,12 +25,55 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .schema import to_record
-from .trace import TraceError, read_trace
+from ..peaks import PEAK_KEYS, Peaks, resolve_peaks
+from ..schema import WindowMeasurement, to_record
+from .roofline import build_window, measure
+from .suggest import suggest
+from .trace import TraceError, TraceIndex, read_trace
 
-_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")
+_DTYPES = PEAK_KEYS
+
+
+def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any, steps: Optional[int] = None,
+                   step_time_seconds: Optional[float] = None, top_k: int = 8, registry: Optional[Sequence] = None,
+                   device_type: str = "cuda", step: int = 0, timestamp: Optional[float] = None) -> WindowMeasurement:
+    """Breakdown, top ops and suggestions of one profiler window: the function the live sampler and
+    ``mfuwatch analyze`` share.
+
+    Args:
+        events_iter: chrome-trace event dicts (e.g. ``read_trace(path).events()``); streamed once.
+        spec_or_peaks: a :class:`~mfuwatch.agent.peaks.Peaks`, a ``GpuSpec`` or a mapping with ``peak_flops``
+            (FLOP/s per dtype) and ``memory_bandwidth_bytes_per_second`` (:meth:`Peaks.from_any`).
+        steps: training steps in the window (None: inferred, see :func:`~.roofline.build_window`).
+        step_time_seconds: step time measured outside the window, for the Amdahl gains; None ⇒
+            window wall time / steps.
+        top_k: how many ops to keep in ``top_ops`` (bounded metric cardinality).
+        registry: remedies to match (default ``mfuwatch.kernels.registry.REGISTRY``).
+        device_type: "cuda" (GPU activities are the kernels) or "cpu" (each CPU op's self time is).
+
+    Returns:
+        WindowMeasurement; ``breakdown`` busy categories sum to 1 when any activity was seen.
+
+    Raises:
+        ValueError: bad peaks.
+        TraceError: no events, no GPU activity (``device_type="cuda"``) or no CPU ops (``"cpu"``), or a
+            truncated/corrupt streaming source.
+    """
+    peaks = Peaks.from_any(spec_or_peaks)
+    index = TraceIndex.build(events_iter)
+    if index.events_seen == 0:
+        raise TraceError("the trace has no events")
+    if device_type != "cpu" and index.n_kernels == 0:
+        raise TraceError("the trace has no GPU activity (kernels, memcpy, memset): was it recorded with "
+                         "ProfilerActivity.CUDA? For a CPU-only trace use device_type='cpu' (--device cpu)")
+    if device_type == "cpu" and not any(k == 0 for k in index.op_kind):
+        raise TraceError("the trace has no CPU ops")
+    w = build_window(index, peaks, steps=steps, device_type=device_type)
+    st = step_time_seconds or (w.wall_seconds / w.steps if w.steps and w.wall_seconds > 0 else None)
+    sugg = suggest(w, step_time_seconds=st, registry=registry) if st else []
+    return measure(w, top_k=top_k, step_time_seconds=st, suggestions=sugg, step=step, timestamp=timestamp)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,42 +96,49 @@ def _parser() -> argparse.ArgumentParser:
                    help="unit fp32 matmuls ran on (tf32 when torch allowed TF32)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a CPU-only trace, each op's self time acts as a kernel (needs --peak-flops fp32=… --bandwidth)")
+    p.add_argument("--peaks", metavar="FILE", help="peaks as JSON (the fields of mfuwatch.agent.peaks.Peaks); "
+                                                "replaces --gpu, --peak-flops, --bandwidth and --fp32-matmul")
     p.add_argument("--top-k", type=int, default=8, help="ops to list (default 8)")
     p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)  # the live sampler's child
     return p
 
 
-def _peaks(args: argparse.Namespace, device_properties: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Peaks mapping for :class:`mfuwatch.agent.roofline.Peaks` from flags or the peak table.
+def _peaks(args: argparse.Namespace, device_properties: List[Dict[str, Any]]) -> Tuple[Peaks, str]:
+    """The :class:`Peaks` of the run and the GPU's name as given (``--gpu``, else the trace's):
+    ``--peaks FILE``, else :func:`resolve_peaks` of that name and the flags.
 
     Raises:
-        ValueError: a malformed ``--peak-flops`` or an unknown GPU without flags.
+        ValueError: a malformed ``--peak-flops``, an unreadable ``--peaks`` file, or an unknown GPU
+            without both ``--peak-flops`` and ``--bandwidth``.
     """
+    if args.peaks:
+        try:
+            with open(args.peaks, encoding="utf-8") as f:
+                p = Peaks.from_any(json.load(f))
+        except (OSError, json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"--peaks: cannot read {args.peaks}: {exc}") from None
+        if args.measured_bandwidth:
+            p.measured_bandwidth_bytes_per_second = args.measured_bandwidth
+        return p, p.name
     flops: Dict[str, float] = {}
     for item in args.peak_flops:
         key, _, val = item.partition("=")
-        if key not in _DTYPES or not val:
-            raise ValueError(f"--peak-flops: expected DTYPE=FLOP/S with DTYPE in {', '.join(_DTYPES)}, got {item!r}")
-        flops[key] = float(val)
-    bw = args.bandwidth
-    name = args.gpu or (device_properties[0].get("name") if device_properties else None)
-    spec = None
-    if (not flops or not bw) and args.device == "cuda" and name:
         try:
-            from . import peaks as peak_table
-            spec = peak_table.lookup(name=name)
-        except ImportError:
-            spec = None
-    if spec is not None:
-        flops = {**{k: float(v) for k, v in spec.peak_flops.items() if v}, **flops}
-        bw = bw or spec.memory_bandwidth_bytes_per_second
-    if not flops or not bw:
+            flops[key] = float(val)
+        except ValueError:
+            key = ""
+        if key not in _DTYPES or flops.get(key, 0) <= 0:
+            raise ValueError(f"--peak-flops: expected DTYPE=FLOP/S with DTYPE in {', '.join(_DTYPES)}, got {item!r}")
+    name = args.gpu or (device_properties[0].get("name") if device_properties else None)
+    p = resolve_peaks(name if args.device == "cuda" else None, peak_flops=flops,
+                      memory_bandwidth_bytes_per_second=args.bandwidth,
+                      measured_bandwidth_bytes_per_second=args.measured_bandwidth, fp32_matmul=args.fp32_matmul,
+                      warn=False)
+    if p is None:
         what = f"GPU {name!r} is not in the peak table" if name else "no GPU name in the trace"
         raise ValueError(f"{what}: pass --peak-flops DTYPE=FLOP/S (e.g. fp32=67e12 --peak-flops bf16=989e12) "
                          f"and --bandwidth BYTES/S")
-    return {"peak_flops": flops, "memory_bandwidth_bytes_per_second": bw, "name": name or "",
-            "source": "flags" if spec is None else getattr(spec, "source", ""),
-            "measured_bandwidth_bytes_per_second": args.measured_bandwidth, "fp32_matmul": args.fp32_matmul}
+    return p, name or ""
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -97,11 +149,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.nice(args.nice)
         except OSError:
             pass
-    from .roofline import analyze_events
-
     try:
         tf = read_trace(args.trace)
-        peaks = _peaks(args, tf.device_properties)
+        peaks, gpu = _peaks(args, tf.device_properties)
         wm = analyze_events(tf.events(), spec_or_peaks=peaks, steps=args.steps, step_time_seconds=args.step_time,
                             top_k=args.top_k, device_type=args.device, timestamp=os.path.getmtime(args.trace))
     except (TraceError, ValueError) as exc:
@@ -109,11 +159,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     if args.json:
         rec = to_record("window", wm)
-        rec["analysis"] = {"trace": args.trace, "gpu": peaks["name"], "peak_flops": peaks["peak_flops"],
-                           "memory_bandwidth_bytes_per_second": peaks["memory_bandwidth_bytes_per_second"]}
+        rec["analysis"] = {"trace": args.trace, "gpu": gpu, "peak_flops": peaks.peak_flops,
+                           "memory_bandwidth_bytes_per_second": peaks.memory_bandwidth_bytes_per_second,
+                           "peaks": peaks.to_dict()}
         text = json.dumps(rec)
     else:
-        text = render(wm, title=f"{args.trace} ({peaks['name'] or args.device})")
+        text = render(wm, title=f"{args.trace} ({gpu or args.device})")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text + "\n")

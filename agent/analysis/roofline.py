@@ -2,7 +2,7 @@
 
 For each GPU activity in a window (kernels, memcpys, memsets):
 
-1. find the CPU op that launched it (:class:`mfuwatch.agent.trace.TraceIndex` links
+1. find the CPU op that launched it (:class:`mfuwatch.agent.analysis.trace.TraceIndex` links
    them by ``External id``) and that op's FLOPs and bytes (:mod:`.opcost`);
 2. arithmetic intensity = FLOPs / bytes; machine balance = peak FLOP/s of the unit the
    op uses / peak memory bandwidth. Matmul-like ops in bf16/fp16/fp8 (and tf32 when
@@ -30,16 +30,16 @@ is the union of the top-level ops; idle is the rest of the wall time (Python bet
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..peaks import Peaks
+from ..schema import BUSY_CATEGORIES, OpShare, Suggestion, WindowMeasurement
 from . import opcost
-from .schema import BUSY_CATEGORIES, OpShare, Suggestion, WindowMeasurement
-from .trace import GPU_CATEGORIES, TraceError, TraceIndex
+from .trace import GPU_CATEGORIES, TraceIndex
 
 _MEMCPY, _MEMSET = GPU_CATEGORIES["gpu_memcpy"], GPU_CATEGORIES["gpu_memset"]
 
@@ -76,59 +76,6 @@ def op_name_bound(name: str) -> str:
     if _COMM_OPS.search(name):
         return "communication"
     return "memory" if name.startswith("aten::") and name not in opcost.VIEW_OPS else "other"
-
-
-@dataclass
-class Peaks:
-    """Peak FLOP/s and memory bandwidth of one device: what the roofline needs.
-
-    ``peak_flops``: dense FLOP/s per dtype key ("fp32" = CUDA cores; "tf32", "bf16", "fp16",
-    "fp8" = tensor cores), as in ``mfuwatch.agent.peaks.GpuSpec``. ``fp32_matmul``: the
-    unit fp32 matmuls use, "fp32" (torch's default, ``allow_tf32=False``) or "tf32".
-    ``measured_bandwidth_bytes_per_second``: a calibrated bandwidth, preferred for gains.
-    """
-
-    peak_flops: Dict[str, float]
-    memory_bandwidth_bytes_per_second: float
-    name: str = ""
-    source: str = ""
-    measured_bandwidth_bytes_per_second: Optional[float] = None
-    fp32_matmul: str = "fp32"
-
-    def __post_init__(self) -> None:
-        if not self.peak_flops or not any(v and v > 0 for v in self.peak_flops.values()):
-            raise ValueError("peak_flops: need at least one positive FLOP/s value, e.g. {'fp32': 67e12}")
-        if not self.memory_bandwidth_bytes_per_second or self.memory_bandwidth_bytes_per_second <= 0:
-            raise ValueError("memory_bandwidth_bytes_per_second: need a positive bandwidth in bytes/s")
-
-    @classmethod
-    def from_any(cls, obj: Any) -> "Peaks":
-        """Accept a :class:`Peaks`, a ``GpuSpec`` (attributes ``peak_flops`` and
-        ``memory_bandwidth_bytes_per_second``) or a mapping with those keys.
-
-        Raises:
-            ValueError: missing or non-positive peak or bandwidth.
-        """
-        if isinstance(obj, cls):
-            return obj
-        get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
-        return cls(peak_flops={k: float(v) for k, v in (get("peak_flops") or {}).items() if v},
-                   memory_bandwidth_bytes_per_second=float(get("memory_bandwidth_bytes_per_second") or 0.0),
-                   name=str(get("name", "") or ""), source=str(get("source", "") or ""),
-                   measured_bandwidth_bytes_per_second=get("measured_bandwidth_bytes_per_second"),
-                   fp32_matmul=str(get("fp32_matmul", "fp32") or "fp32"))
-
-    def flops_for(self, dtype: Optional[str], matmul: bool) -> float:
-        """Peak FLOP/s of the unit an op uses: tensor cores of ``dtype`` for matmul-like ops, else fp32."""
-        fp32 = self.peak_flops.get("fp32") or max(self.peak_flops.values())
-        if not matmul or dtype is None:
-            return fp32
-        key = self.fp32_matmul if dtype == "fp32" else dtype
-        return self.peak_flops.get(key) or fp32
-
-    def balance(self, dtype: Optional[str], matmul: bool) -> float:
-        """Machine balance in FLOP/byte for that unit."""
-        return self.flops_for(dtype, matmul) / self.memory_bandwidth_bytes_per_second
 
 
 @dataclass
@@ -338,55 +285,3 @@ def measure(w: Window, *, top_k: int = 8, step_time_seconds: Optional[float] = N
         memory_bound_share=breakdown["memory_bound"], top_ops=top_ops, suggestions=list(suggestions or []),
         kernels_per_step=n / w.steps if w.steps else 0.0, mean_kernel_seconds=(total_us * 1e-6 / n) if n else 0.0,
         step_time_seconds=step_time_seconds)
-
-
-def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any, steps: Optional[int] = None,
-                   step_time_seconds: Optional[float] = None, top_k: int = 8, registry: Optional[Sequence] = None,
-                   device_type: str = "cuda", step: int = 0, timestamp: Optional[float] = None) -> WindowMeasurement:
-    """Breakdown, top ops and suggestions of one profiler window: the function the live sampler and
-    ``mfuwatch analyze`` share.
-
-    Args:
-        events_iter: chrome-trace event dicts (e.g. ``read_trace(path).events()``); streamed once.
-        spec_or_peaks: a ``GpuSpec``, :class:`Peaks` or mapping with ``peak_flops`` (FLOP/s per dtype)
-            and ``memory_bandwidth_bytes_per_second``.
-        steps: training steps in the window (None: inferred, see :func:`build_window`).
-        step_time_seconds: step time measured outside the window, for the Amdahl gains; None ⇒
-            window wall time / steps.
-        top_k: how many ops to keep in ``top_ops`` (bounded metric cardinality).
-        registry: remedies to match (default ``mfuwatch.kernels.registry.REGISTRY``).
-        device_type: "cuda" (GPU activities are the kernels) or "cpu" (each CPU op's self time is).
-
-    Returns:
-        WindowMeasurement; ``breakdown`` busy categories sum to 1 when any activity was seen.
-
-    Raises:
-        ValueError: bad peaks.
-        TraceError: no events, no GPU activity (``device_type="cuda"``) or no CPU ops (``"cpu"``), or a
-            truncated/corrupt streaming source.
-    """
-    from . import suggest
-
-    peaks = Peaks.from_any(spec_or_peaks)
-    index = TraceIndex.build(events_iter)
-    if index.events_seen == 0:
-        raise TraceError("the trace has no events")
-    if device_type != "cpu" and index.n_kernels == 0:
-        raise TraceError("the trace has no GPU activity (kernels, memcpy, memset): was it recorded with "
-                         "ProfilerActivity.CUDA? For a CPU-only trace use device_type='cpu' (--device cpu)")
-    if device_type == "cpu" and not any(k == 0 for k in index.op_kind):
-        raise TraceError("the trace has no CPU ops")
-    w = build_window(index, peaks, steps=steps, device_type=device_type)
-    st = step_time_seconds or (w.wall_seconds / w.steps if w.steps and w.wall_seconds > 0 else None)
-    sugg = suggest.suggest(w, step_time_seconds=st, registry=registry) if st else []
-    return measure(w, top_k=top_k, step_time_seconds=st, suggestions=sugg, step=step, timestamp=timestamp)
-
-
-def window_from_dict(d: Dict[str, Any]) -> WindowMeasurement:
-    """Rebuild a :class:`WindowMeasurement` from its ``dataclasses.asdict`` form (the ``--json`` output)."""
-    names = {f.name for f in dataclasses.fields(WindowMeasurement)}
-    d = {k: v for k, v in d.items() if k in names}  # drops "kind" and extras such as "analysis"
-    d["top_ops"] = [OpShare(**o) for o in d.get("top_ops", [])]
-    d["suggestions"] = [Suggestion(**s) for s in d.get("suggestions", [])]
-    return WindowMeasurement(**d)
-

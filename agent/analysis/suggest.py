@@ -2,7 +2,7 @@
 
 The registry (``mfuwatch.kernels.registry``) says which op patterns a remedy replaces and
 how many bytes its replacement must move; this module finds those ops in a
-:class:`mfuwatch.agent.roofline.Window` and computes the **expected gain** (Amdahl):
+:class:`mfuwatch.agent.analysis.roofline.Window` and computes the **expected gain** (Amdahl):
 
     gain = (time the matched ops took in the window − time the replacement needs) / steps / step time
 
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .opcost import DTYPE_BYTES, MATMUL_OPS, VIEW_OPS
 from .roofline import Window
-from .schema import Suggestion
+from ..schema import Suggestion
 
 #: Smallest expected gain (fraction of step time) worth reporting.
 MIN_GAIN = 0.005
@@ -145,7 +145,7 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
     """Suggestions for one window, ranked existing fixes first, then bundled kernels, each by gain.
 
     Args:
-        w: the classified window (:func:`mfuwatch.agent.roofline.build_window`).
+        w: the classified window (:func:`mfuwatch.agent.analysis.roofline.build_window`).
         step_time_seconds: step time (s) the gains are fractions of.
         registry: ``Remedy`` entries (default ``mfuwatch.kernels.registry.REGISTRY``).
         min_gain: drop suggestions whose expected gain is below this fraction.

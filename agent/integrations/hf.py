@@ -62,7 +62,7 @@ class MFUWatchCallback(TrainerCallback):
         patch_kernels: ``False``; ``True`` to apply ``mfuwatch.kernels.patch(model)``;
             or a mapping of keyword arguments for ``patch``.
         file_sd_dir: write this rank's Prometheus file-SD target there
-            (:class:`~mfuwatch.agent.integrations.distributed.FileSDTarget`).
+            (:class:`~mfuwatch.agent.distributed.FileSDTarget`).
         **overrides: agent config keys (``port``, ``peak_flops``, ``alerts``, ...).
 
     Raises:
@@ -113,7 +113,7 @@ class MFUWatchCallback(TrainerCallback):
         cfg = _common.build_config(self.config, self.overrides, self._framework_facts(args))
         self.agent = Agent(model, None, config=cfg)  # boundaries come from on_step_end, not the optimizer
         if self.file_sd_dir:
-            from .distributed import register_agent
+            from ..distributed import register_agent
 
             self.sd_target = register_agent(self.agent, self.file_sd_dir)
 

@@ -140,7 +140,7 @@ class MFUWatchCallback(Callback):
         self._last_global_step = trainer.global_step
         self._gap = False
         if self.file_sd_dir:
-            from .distributed import register_agent
+            from ..distributed import register_agent
 
             self.sd_target = register_agent(self.agent, self.file_sd_dir)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -114,26 +115,53 @@ def test_unknown_gpu_is_none(name):
 def test_unknown_gpu_gets_no_peak_and_one_warning(caplog):
     caplog.set_level(logging.WARNING, logger="mfuwatch.agent.peaks")
     for _ in range(3):
-        assert peaks.resolve_peak("cuda:0", "bf16", tf32_allowed=False, name="NVIDIA GH200 480GB",
-                                  pci_device_id=0x234210DE) == (None, "")
+        assert peaks.resolve_peaks(name="NVIDIA GH200 480GB", pci_device_id=0x234210DE) is None
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1
     assert "NVIDIA GH200 480GB" in msgs[0] and "0x2342" in msgs[0] and "peak_flops=" in msgs[0]
+    assert peaks.mfu_peak(None, "bf16") == (None, "")
 
 
-def test_resolve_peak_uses_dtype_and_tf32():
-    spec = lookup(name="NVIDIA H200")
-    assert peaks.resolve_peak("cuda", "bf16", tf32_allowed=False, name="NVIDIA H200") == (
-        spec.peak_flops["bf16"], spec.source)
-    assert peaks.resolve_peak("cuda:1", "fp32", tf32_allowed=True, name="NVIDIA H200")[0] == spec.peak_flops["tf32"]
-    assert peaks.resolve_peak("cuda:1", torch.float32, tf32_allowed=False, name="NVIDIA H200")[0] == pytest.approx(
-        66.9e12)
-    assert peaks.resolve_peak(torch.device("cpu"), "bf16", tf32_allowed=False, name="NVIDIA H200") == (None, "")
+def test_resolve_peaks_is_the_table_row_in_base_units():
+    p = peaks.resolve_peaks(name="NVIDIA H200")
+    # the datasheet's H200 SXM column, dense: 989.4 TFLOP/s bf16, 66.9 fp32, 4.8 TB/s
+    assert p.name == "NVIDIA H200 SXM" and "datasheet" in p.source
+    assert p.peak_flops["bf16"] == pytest.approx(989.4e12) and p.peak_flops["fp32"] == pytest.approx(66.9e12)
+    assert p.memory_bandwidth_bytes_per_second == pytest.approx(4.8e12)
+    assert p.balance("bf16", True) == pytest.approx(989.4e12 / 4.8e12)
+    assert peaks.mfu_peak(p, "bf16") == (pytest.approx(989.4e12), p.source)
+    assert peaks.mfu_peak(p, "tf32")[0] == pytest.approx(494.7e12)
+
+
+def test_resolve_peaks_takes_the_pci_id_before_the_name():
+    # CUDA calls both H200 variants "NVIDIA H200"; the NVL's PCI id 0x233B picks its own row
+    p = peaks.resolve_peaks(name="NVIDIA H200", pci_device_id=0x233B10DE)
+    assert p.name == "NVIDIA H200 NVL" and p.peak_flops["bf16"] == pytest.approx(835.5e12)
+    assert peaks.resolve_peaks(name="NVIDIA L4", pci_device_id=0xFFFE).name == "NVIDIA L4"  # unknown id: name
+
+
+def test_resolve_peaks_flags_override_and_replace_the_row():
+    p = peaks.resolve_peaks(name="NVIDIA H200", peak_flops={"bf16": 900e12})
+    assert p.peak_flops["bf16"] == 900e12 and p.peak_flops["fp32"] == pytest.approx(66.9e12)  # one key overridden
+    q = peaks.resolve_peaks(name="Acme X9", peak_flops={"fp32": 2e11}, memory_bandwidth_bytes_per_second=2e10)
+    assert (q.peak_flops, q.memory_bandwidth_bytes_per_second, q.name, q.source) == ({"fp32": 2e11}, 2e10,
+                                                                                      "Acme X9", "flags")
+    with pytest.raises(ValueError, match="peak_flops"):
+        peaks.resolve_peaks(name="NVIDIA H200", peak_flops={"int8": 1e15})
+
+
+def test_peaks_round_trip_through_their_one_serialised_form():
+    p = peaks.resolve_peaks(name="NVIDIA H200", pci_device_id=0x233B, measured_bandwidth_bytes_per_second=4.1e12,
+                            fp32_matmul="tf32")
+    assert peaks.Peaks.from_any(json.loads(json.dumps(p.to_dict()))) == p
+    assert peaks.Peaks.from_any(lookup(name="NVIDIA H200 NVL")) == peaks.resolve_peaks(pci_device_id=0x233B)
 
 
 def test_fp8_on_ampere_is_none_with_source(caplog):
     caplog.set_level(logging.WARNING, logger="mfuwatch.agent.peaks")
-    flops, source = peaks.resolve_peak("cuda", "fp8", tf32_allowed=False, name="NVIDIA A100-SXM4-80GB")
+    p = peaks.resolve_peaks(name="NVIDIA A100-SXM4-80GB")
+    for _ in range(2):
+        flops, source = peaks.mfu_peak(p, "fp8")
     assert flops is None and "A100" in source
     assert len(caplog.records) == 1
 

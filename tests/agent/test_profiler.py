@@ -54,7 +54,7 @@ class Sink:
 def test_live_cpu_window_produces_a_measurement_and_metrics():
     sink = Sink()
     sampler = ProfilerSampler(every_steps=5, warmup_steps=1, active_steps=3, device=torch.device("cpu"),
-                              gpu_spec=None, top_k=6, on_window=sink.window, on_error=sink.error)
+                              peaks=None, top_k=6, on_window=sink.window, on_error=sink.error)
     step = _loop()
     try:
         for i in range(1, 12):
@@ -84,7 +84,7 @@ def test_live_cpu_window_produces_a_measurement_and_metrics():
 
 def test_window_is_skipped_and_said_once_when_another_profiler_runs(caplog):
     sink, outcomes = Sink(), []
-    sampler = ProfilerSampler(every_steps=2, device="cpu", gpu_spec={"peak_flops": {"fp32": 1e11},
+    sampler = ProfilerSampler(every_steps=2, device="cpu", peaks={"peak_flops": {"fp32": 1e11},
                               "memory_bandwidth_bytes_per_second": 1e10}, on_window=sink.window, on_error=sink.error,
                               on_outcome=outcomes.append)
     caplog.set_level(logging.WARNING, logger="mfuwatch")
@@ -102,7 +102,7 @@ def test_window_is_skipped_and_said_once_when_another_profiler_runs(caplog):
 def test_close_terminates_a_running_analysis():
     sink = Sink()
     sampler = ProfilerSampler(every_steps=1, warmup_steps=0, active_steps=1, device="cpu",
-                              gpu_spec={"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10},
+                              peaks={"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10},
                               on_window=sink.window, on_error=sink.error)
     step = _loop()
     step()
@@ -118,7 +118,7 @@ def test_close_terminates_a_running_analysis():
 
 def test_lasting_slowdown_after_a_window_is_reported_once_and_stops_windows():
     sink = Sink()
-    sampler = ProfilerSampler(every_steps=10, device="cpu", gpu_spec={"peak_flops": {"fp32": 1e11},
+    sampler = ProfilerSampler(every_steps=10, device="cpu", peaks={"peak_flops": {"fp32": 1e11},
                               "memory_bandwidth_bytes_per_second": 1e10}, on_window=sink.window, on_error=sink.error)
     sampler._before = 0.010
     sampler._intervals.extend([0.0105] * 16)  # +5%: within noise

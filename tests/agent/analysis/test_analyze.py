@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from mfuwatch.agent.analyze import main
-from mfuwatch.agent.roofline import window_from_dict
-from mfuwatch.agent.schema import BUSY_CATEGORIES
+from mfuwatch.agent.analysis.analyze import main
+from mfuwatch.agent.schema import BUSY_CATEGORIES, window_from_record
 from tests.helpers.chrome_trace_builder import TraceBuilder
 from tests.helpers.traces import TRACES
 
@@ -21,7 +20,7 @@ def test_json_output_uses_the_trace_device_for_peaks(capsys):
     rec = json.loads(capsys.readouterr().out)
     assert rec["kind"] == "window" and rec["analysis"]["gpu"] == "NVIDIA H200"
     assert rec["analysis"]["memory_bandwidth_bytes_per_second"] == 4.8e12  # H200 SXM datasheet
-    wm = window_from_dict(rec)
+    wm = window_from_record(rec)
     assert wm.steps == 3 and len(wm.top_ops) == 5
     assert sum(wm.breakdown[c] for c in BUSY_CATEGORIES) == pytest.approx(1.0)
     assert {"rms_norm", "swiglu", "fused_adamw"} <= {s.kernel for s in wm.suggestions}
@@ -29,9 +28,9 @@ def test_json_output_uses_the_trace_device_for_peaks(capsys):
 
 def test_step_time_flag_sets_the_amdahl_denominator(capsys):
     assert main([LLAMA, "--json", "--step-time", "0.02669"]) == 0
-    a = window_from_dict(json.loads(capsys.readouterr().out))
+    a = window_from_record(json.loads(capsys.readouterr().out))
     assert main([LLAMA, "--json"]) == 0
-    b = window_from_dict(json.loads(capsys.readouterr().out))
+    b = window_from_record(json.loads(capsys.readouterr().out))
     assert a.step_time_seconds == 0.02669 and b.step_time_seconds == pytest.approx(b.wall_seconds / 3)
     ga, gb = ({s.kernel: s.expected_gain for s in w.suggestions} for w in (a, b))
     assert ga["fused_adamw"] == pytest.approx(gb["fused_adamw"] * b.step_time_seconds / 0.02669)
@@ -50,7 +49,7 @@ def test_flags_override_the_peak_table(capsys):
     # matmuls (~1e3 FLOP/B) included, falls below it
     assert main([LLAMA, "--json", "--peak-flops", "fp32=1e18", "--peak-flops", "bf16=1e18",
                  "--bandwidth", "4.8e12"]) == 0
-    wm = window_from_dict(json.loads(capsys.readouterr().out))
+    wm = window_from_record(json.loads(capsys.readouterr().out))
     assert wm.breakdown["compute_bound"] == 0.0 and wm.breakdown["memory_bound"] == 1.0
 
 
@@ -87,7 +86,7 @@ def test_trace_without_gpu_activity_fails_unless_analysed_as_cpu(tmp_path, capsy
     assert main([path, "--peak-flops", "fp32=1e11", "--bandwidth", "1e10"]) == 1
     assert "no GPU activity" in capsys.readouterr().err
     assert main([path, "--json", "--device", "cpu", "--peak-flops", "fp32=1e11", "--bandwidth", "1e10"]) == 0
-    wm = window_from_dict(json.loads(capsys.readouterr().out))
+    wm = window_from_record(json.loads(capsys.readouterr().out))
     # addmm: 2·32·64·64 FLOP over (64 + 32·64 + 64·64 + 32·64)·4 B = 8.7 FLOP/B < balance 10: memory-bound
     assert wm.breakdown["memory_bound"] == 1.0 and wm.busy_seconds == pytest.approx(60e-6)
 

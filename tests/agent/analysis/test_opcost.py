@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mfuwatch.agent.opcost import op_cost
+from mfuwatch.agent.analysis.opcost import op_cost
 
 BF16, F32, I64 = "c10::BFloat16", "float", "long int"
 

@@ -9,9 +9,11 @@ import json
 import pytest
 
 from mfuwatch.agent import peaks as peak_table
-from mfuwatch.agent.roofline import Peaks, analyze_events, kernel_name_bound, op_name_bound, window_from_dict
-from mfuwatch.agent.schema import BUSY_CATEGORIES, to_record
-from mfuwatch.agent.trace import TraceError, read_trace
+from mfuwatch.agent.analysis.analyze import analyze_events
+from mfuwatch.agent.analysis.roofline import kernel_name_bound, op_name_bound
+from mfuwatch.agent.peaks import Peaks
+from mfuwatch.agent.schema import BUSY_CATEGORIES, to_record, window_from_record
+from mfuwatch.agent.analysis.trace import TraceError, read_trace
 from tests.helpers.chrome_trace_builder import TraceBuilder
 from tests.helpers.traces import TRACES
 
@@ -68,7 +70,7 @@ def test_synthetic_breakdown_idle_union_and_top_ops_exactly():
 def test_top_k_bounds_the_op_list_and_record_round_trips():
     wm = analyze_events(_synthetic().events, spec_or_peaks=TOY, top_k=3)
     assert len(wm.top_ops) == 3
-    back = window_from_dict(json.loads(json.dumps(to_record("window", wm))))
+    back = window_from_record(json.loads(json.dumps(to_record("window", wm))))
     assert back == wm
 
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from mfuwatch.agent import peaks as peak_table
-from mfuwatch.agent.roofline import analyze_events
-from mfuwatch.agent.trace import read_trace
+from mfuwatch.agent.analysis.analyze import analyze_events
+from mfuwatch.agent.analysis.trace import read_trace
 from mfuwatch.kernels import traffic
 from tests.helpers.chrome_trace_builder import TraceBuilder
 from tests.helpers.traces import TRACES

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mfuwatch.agent.trace import TraceError, TraceIndex, iter_json_events, read_trace
+from mfuwatch.agent.analysis.trace import TraceError, TraceIndex, iter_json_events, read_trace
 from tests.helpers.chrome_trace_builder import TraceBuilder
 from tests.helpers.traces import TRACES
 
