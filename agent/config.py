@@ -19,6 +19,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import yaml
 
+from .distributed import default_run_name, exporter_port, rank_from_env
+
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -84,6 +86,14 @@ class AgentConfig:
     local_rank: int = 0  # from LOCAL_RANK
     world_size: int = 1  # from WORLD_SIZE
 
+    @property
+    def exporter_port(self) -> int:
+        """The port this rank's exporter serves on: ``port + local_rank`` (0 stays 0: any free port).
+
+        Raises ValueError when the sum is past 65535 (:func:`mfuwatch.agent.distributed.exporter_port`).
+        """
+        return exporter_port(self.port, self.local_rank)
+
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data dump (for the timeline and logs). Holds no secrets: alert URLs live in the environment."""
         d = dataclasses.asdict(self)
@@ -140,10 +150,11 @@ def _check_type(name: str, value: Any, types: Tuple[type, ...], what: str) -> No
 def _validate(cfg: AgentConfig) -> AgentConfig:
     # run label
     _check_type("run", cfg.run, (str,), "a string")
-    if not cfg.run:
-        from .integrations.distributed import default_run_name
-
-        cfg.run = default_run_name()  # $MFUWATCH_RUN, else one name shared by all ranks of a torchrun/Slurm job
+    if not cfg.run:  # $MFUWATCH_RUN, else one name shared by all ranks of a torchrun/Slurm job
+        try:
+            cfg.run = default_run_name()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     _check_type("exporter", cfg.exporter, (bool,), "true or false")
     _check_type("port", cfg.port, (int,), "an integer port 0..65535 (0 = any free port)")
     if not 0 <= cfg.port <= 65535:
@@ -222,17 +233,11 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         _check_type(name, getattr(cfg, name), (int,), "a non-negative integer")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise ConfigError(f"rank/world_size: expected 0 <= rank < world_size, got rank={cfg.rank} world_size={cfg.world_size}")
-    return cfg
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
     try:
-        return int(v)
-    except ValueError:
-        raise ConfigError(f"{name} (environment): expected an integer, got {v!r}") from None
+        cfg.exporter_port  # noqa: B018 - base port + local rank must be a port
+    except ValueError as exc:
+        raise ConfigError(f"port: {exc}") from None
+    return cfg
 
 
 def user_settings(config: Union[None, str, Path, Mapping[str, Any], AgentConfig]) -> Dict[str, Any]:
@@ -285,11 +290,11 @@ def load_config(config: Union[None, str, Path, Mapping[str, Any], AgentConfig] =
         ConfigError: unknown key (with the nearest valid key), bad value (with the
             accepted values), unreadable or malformed YAML file.
     """
-    data: Dict[str, Any] = {
-        "rank": _env_int("RANK", 0),
-        "local_rank": _env_int("LOCAL_RANK", 0),
-        "world_size": _env_int("WORLD_SIZE", 1),
-    }
+    try:
+        rank, local_rank, world_size = rank_from_env()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    data: Dict[str, Any] = {"rank": rank, "local_rank": local_rank, "world_size": world_size}
     data.update(user_settings(config))
     data.update(overrides)
     for key in data:

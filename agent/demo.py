@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import sysconfig
 import time
@@ -196,7 +195,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="exporter base port (0 = any free port; default 9478)")
     p.add_argument("--config", default=None, help="agent YAML config (alerts: etc.)")
     p.add_argument("--run-name", "--run", dest="run", default=None,
-                   help="run label (default: $MFUWATCH_RUN, else demo-<name shared by the job's ranks>); "
+                   help="run label (default: the config's run, else $MFUWATCH_RUN, else a name shared by the job's ranks); "
                         "under torchrun spell it --run-name (torchrun claims --run)")
     p.add_argument("--timeline", default="mfuwatch-demo/timeline.jsonl", help="JSONL timeline path ('' = none)")
     p.add_argument("--report", default="mfuwatch-demo/report.html", help="HTML report written at the end ('' = none)")
@@ -216,11 +215,19 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     from rich.table import Table
 
     from .core import Agent
-    from .integrations.distributed import default_run_name
+    from .distributed import rank_from_env
 
     a = _parse(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if a.report and a.timeline:
+        from .report import missing_dependency
+
+        missing = missing_dependency()
+        if missing:
+            raise DemoError(f"{missing} (or pass --report '' to run without the report)")
+    try:
+        rank, local_rank, world = rank_from_env()
+    except ValueError as exc:
+        raise DemoError(str(exc)) from None
     con = Console(quiet=a.quiet or rank != 0, highlight=False)
     try:
         device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -266,8 +273,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "timeline": a.timeline or None,
         "profile_every": a.profile_every,
         "model_shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq},
-        "run": a.run or os.environ.get("MFUWATCH_RUN") or "demo-" + default_run_name(),
     }
+    if a.run:  # else the config's run, or its default name ($MFUWATCH_RUN, else one name for all ranks)
+        overrides["run"] = a.run
     if a.port is not None:
         overrides["port"] = a.port
     if device.type != "cuda":
@@ -346,7 +354,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                                   "suggestions": [s.kernel for s in w.suggestions]}
     if a.report and a.timeline:
         try:
-            from .report import write_report
+            from .report.html import write_report
 
             summary["report"] = str(write_report(a.timeline, a.report))
         except Exception as exc:  # noqa: BLE001 - the run itself succeeded

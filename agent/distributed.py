@@ -6,6 +6,8 @@ that rank's own GPU peak, notifications from global rank 0 only (alerts'
 ``notify_from_all_ranks``). This module adds what a fleet of such exporters
 needs to be scraped:
 
+* :func:`rank_from_env` — ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, read in one place;
+* :func:`exporter_port` — ``base port + LOCAL_RANK``, computed in one place;
 * :func:`default_run_name` — a ``run`` label that all ranks of one job agree on
   without a collective (read from torchrun's / Slurm's environment);
 * :class:`FileSDTarget` — each rank writes one Prometheus *file-based service
@@ -16,8 +18,8 @@ needs to be scraped:
 
 Print a scrape config::
 
-    python -m mfuwatch.agent.integrations.distributed --file-sd-dir /shared/mfuwatch/targets
-    python -m mfuwatch.agent.integrations.distributed --hosts node01,node02 --ranks-per-node 8
+    python -m mfuwatch.agent.distributed --file-sd-dir /shared/mfuwatch/targets
+    python -m mfuwatch.agent.distributed --hosts node01,node02 --ranks-per-node 8
 
 Imports only the standard library (and PyYAML for printing), never torch.
 """
@@ -33,9 +35,8 @@ import re
 import socket
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from urllib.parse import urlsplit
 
 log = logging.getLogger("mfuwatch")
@@ -44,50 +45,28 @@ log = logging.getLogger("mfuwatch")
 BASE_PORT = 9478
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    try:
-        return int(env.get(name, "") or default)
-    except ValueError:
-        return default
+def rank_from_env(env: Optional[Mapping[str, str]] = None) -> Tuple[int, int, int]:
+    """``(rank, local_rank, world_size)`` from torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``.
 
+    The one reader of the rank environment (the agent config, the run name and the demo use it).
+    Unset or empty variables give a single process: ``(0, 0, 1)``.
 
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in a distributed job, read from the launcher's environment.
-
-    Fields (all ints, 0-based): ``rank`` (global, ``RANK``), ``local_rank`` (on this
-    node, ``LOCAL_RANK``), ``world_size`` (``WORLD_SIZE``), ``local_world_size``
-    (``LOCAL_WORLD_SIZE``: ranks on this node), ``node_rank`` (``GROUP_RANK`` as
-    torchrun sets it, else ``NODE_RANK``). A process started without a launcher
-    is rank 0 of 1.
+    Raises:
+        ValueError: a variable that is not a non-negative integer (``WORLD_SIZE`` >= 1), named
+            with its value.
     """
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    node_rank: int = 0
-
-    @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "RankInfo":
-        """Read ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``/``NODE_RANK``.
-
-        Unset or non-integer variables take the single-process defaults.
-        """
-        env = os.environ if env is None else env
-        world = max(1, _env_int(env, "WORLD_SIZE", 1))
-        return cls(
-            rank=_env_int(env, "RANK", 0),
-            local_rank=_env_int(env, "LOCAL_RANK", 0),
-            world_size=world,
-            local_world_size=max(1, _env_int(env, "LOCAL_WORLD_SIZE", world)),
-            node_rank=_env_int(env, "GROUP_RANK", _env_int(env, "NODE_RANK", 0)),
-        )
-
-    @property
-    def is_global_zero(self) -> bool:
-        """True on global rank 0 (the rank that sends notifications by default)."""
-        return self.rank == 0
+    env = os.environ if env is None else env
+    out = []
+    for name, default, low in (("RANK", 0, 0), ("LOCAL_RANK", 0, 0), ("WORLD_SIZE", 1, 1)):
+        raw = env.get(name, "")
+        try:
+            value = int(raw) if raw != "" else default
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise ValueError(f"{name} (environment): expected an integer >= {low}, got {raw!r}")
+        out.append(value)
+    return out[0], out[1], out[2]
 
 
 def exporter_port(base_port: int, local_rank: int) -> int:
@@ -115,7 +94,8 @@ def default_run_name(env: Optional[Mapping[str, str]] = None) -> str:
     ``torchrun-<first 8 characters>``; Slurm's ``SLURM_JOB_ID`` as ``slurm-<id>``;
     for a multi-rank job without those, ``MASTER_ADDR`` and ``MASTER_PORT``
     (shared by all ranks, distinct for concurrent jobs on one master); else
-    ``<host>-<pid>`` (a single process).
+    ``<host>-<pid>`` (a single process). The one run-name default: the agent config fills an
+    empty ``run`` with it. Raises ValueError for a malformed ``WORLD_SIZE`` (:func:`rank_from_env`).
     """
     env = os.environ if env is None else env
     if env.get("MFUWATCH_RUN"):
@@ -126,7 +106,7 @@ def default_run_name(env: Optional[Mapping[str, str]] = None) -> str:
         return "torchrun-" + (rid[:8] if re.fullmatch(r"[0-9a-f-]{36}", rid) else rid)
     if env.get("SLURM_JOB_ID"):
         return "slurm-" + _LABEL_SAFE.sub("-", env["SLURM_JOB_ID"])
-    if _env_int(env, "WORLD_SIZE", 1) > 1 and env.get("MASTER_ADDR"):
+    if rank_from_env(env)[2] > 1 and env.get("MASTER_ADDR"):
         return "job-" + _LABEL_SAFE.sub("-", f"{env['MASTER_ADDR']}-{env.get('MASTER_PORT', '')}").strip("-")
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -307,7 +287,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Print a Prometheus scrape config (YAML) for mfuwatch exporters. Returns 0, or 2 on bad arguments."""
     import yaml
 
-    p = argparse.ArgumentParser(prog="python -m mfuwatch.agent.integrations.distributed",
+    p = argparse.ArgumentParser(prog="python -m mfuwatch.agent.distributed",
                                 description="Print a Prometheus scrape config for mfuwatch exporters.")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--file-sd-dir", help="directory the agents write their target files to (file_sd_dir)")

@@ -33,29 +33,18 @@ ConfigLike = Union[None, str, os.PathLike, Mapping[str, Any], Any]
 FRAMEWORK_KEYS = ("run", "rank", "local_rank", "world_size", "dtype", "model_shape")
 
 
-def user_settings(config: ConfigLike) -> Dict[str, Any]:
-    """The settings the user wrote (see :func:`mfuwatch.agent.config.user_settings`)."""
-    from ..config import user_settings as _user_settings
-
-    return _user_settings(config)
-
-
 def build_config(config: ConfigLike, overrides: Mapping[str, Any], framework: Mapping[str, Any]) -> Any:
     """A validated ``AgentConfig``: framework facts < user config < keyword overrides.
 
     ``framework`` values that are ``None`` are ignored. Raises ``ConfigError``
     (fail fast, naming the field) for a bad setting.
     """
-    from ..config import load_config
+    from ..config import load_config, user_settings
 
     user = user_settings(config)
     merged: Dict[str, Any] = {k: v for k, v in framework.items() if v is not None and k not in user}
     merged.update(user)
-    if not merged.get("run"):
-        from .distributed import default_run_name
-
-        merged["run"] = default_run_name()
-    return load_config(merged, **overrides)
+    return load_config(merged, **overrides)  # an empty run gets the config's default run name
 
 
 def tokens_in_batch(batch: Any) -> int:

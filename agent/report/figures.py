@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .schema import BUSY_CATEGORIES, CATEGORIES
+from ..schema import BUSY_CATEGORIES, CATEGORIES
 
 #: Same colours as the dashboard's breakdown panel overrides.
 CATEGORY_COLORS = {"compute_bound": "#56a64b", "memory_bound": "#ff9830", "communication": "#3274d9",

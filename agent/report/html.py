@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from .timeline import read_timeline
+from ..timeline import read_timeline
 
 
 @dataclass
@@ -112,7 +112,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], row_classes: S
 def _summary(data: TimelineData) -> str:
     steps = data.steps
     w = [s.get("steps") or 1 for s in steps]
-    from .report_figures import weighted_quantile
+    from .figures import weighted_quantile
 
     def median(key: str) -> Optional[float]:
         vals = [(s[key], n) for s, n in zip(steps, w) if s.get(key) is not None]
@@ -176,7 +176,7 @@ def _suggestions_table(window: Dict[str, Any]) -> str:
 
 
 def _alerts_table(alerts: List[Dict[str, Any]]) -> str:
-    from .report_figures import utc
+    from .figures import utc
 
     if not alerts:
         return '<p class="empty">No alert fired during this run.</p>'
@@ -209,7 +209,7 @@ def render_html(data: TimelineData) -> str:
     """The whole page as one string, plotly.js included (about 4.5 MB)."""
     import plotly.offline
 
-    from . import report_figures as figs
+    from . import figures as figs
 
     def div(fig) -> str:
         return fig.to_html(full_html=False, include_plotlyjs=False,
@@ -263,13 +263,20 @@ def write_report(timeline_path: Union[str, Path], out_path: Union[str, Path]) ->
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``mfuwatch report TIMELINE.jsonl [-o report.html]``. Returns 0, or 2 when the timeline cannot be read."""
+    """``mfuwatch report TIMELINE.jsonl [-o report.html]``. Returns 0, or 2 when the timeline cannot be read
+    or plotly (the ``report`` extra) is not installed."""
     parser = argparse.ArgumentParser(prog="mfuwatch report",
                                      description="Write a self-contained HTML report from an mfuwatch timeline.")
     parser.add_argument("timeline", type=Path, help="the agent's JSONL timeline (timeline: in the agent config)")
     parser.add_argument("-o", "--output", type=Path, default=None,
                         help="HTML file to write (default: the timeline's path with .html)")
     args = parser.parse_args(argv)
+    from . import missing_dependency
+
+    missing = missing_dependency()
+    if missing:
+        print(f"mfuwatch report: {missing}", file=sys.stderr)
+        return 2
     out = args.output or args.timeline.with_suffix(".html")
     try:
         path = write_report(args.timeline, out)

@@ -17,6 +17,16 @@ def test_stdlib_text_is_real_python_source():
     assert "def " in text and "import " in text
 
 
+def test_demo_without_plotly_stops_before_training_with_the_install_line(tmp_path, capsys, monkeypatch):
+    from mfuwatch.agent.demo import main
+
+    monkeypatch.setitem(sys.modules, "plotly", None)  # an install without the report extra
+    assert main(["--steps", "1", "--timeline", str(tmp_path / "t.jsonl"), "--report", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'mfuwatch[report]'" in err[0] and "--report ''" in err[0]
+    assert not (tmp_path / "t.jsonl").exists()  # nothing ran
+
+
 @pytest.mark.slow
 def test_demo_20_steps_loss_falls(tmp_path):
     summary = tmp_path / "summary.json"

@@ -17,22 +17,32 @@ import urllib.request
 
 import pytest
 import yaml
-from helpers.debian_tools import ensure_binary
+from tests.helpers.debian_tools import ensure_binary
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent.clock import StepClock
-from mfuwatch.agent.integrations import distributed as d
+from mfuwatch.agent import distributed as d
 
 BASE = dict(nvml=False, alerts=False, profile_every="off", report_every_steps=1000)
 
 
-def test_rank_info_from_torchrun_environment():
-    env = {"RANK": "11", "LOCAL_RANK": "3", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "1"}
-    info = d.RankInfo.from_env(env)
-    assert (info.rank, info.local_rank, info.world_size, info.local_world_size, info.node_rank) == (11, 3, 16, 8, 1)
-    assert not info.is_global_zero
-    assert d.RankInfo.from_env({}) == d.RankInfo(0, 0, 1, 1, 0)
-    assert d.RankInfo.from_env({"NODE_RANK": "2", "RANK": "x"}).node_rank == 2  # Lightning's name; bad RANK -> 0
+def test_rank_from_torchrun_environment():
+    assert d.rank_from_env({"RANK": "11", "LOCAL_RANK": "3", "WORLD_SIZE": "16", "GROUP_RANK": "1"}) == (11, 3, 16)
+    assert d.rank_from_env({}) == (0, 0, 1)
+    assert d.rank_from_env({"RANK": "", "LOCAL_RANK": "", "WORLD_SIZE": ""}) == (0, 0, 1)  # empty = unset
+
+
+@pytest.mark.parametrize("env, name", [({"RANK": "x"}, "RANK"), ({"LOCAL_RANK": "-1"}, "LOCAL_RANK"),
+                                       ({"WORLD_SIZE": "0"}, "WORLD_SIZE"), ({"WORLD_SIZE": "2.5"}, "WORLD_SIZE")])
+def test_malformed_rank_environment_is_one_error_naming_the_variable(env, name):
+    with pytest.raises(ValueError, match=name):
+        d.rank_from_env(env)
+
+
+def test_run_name_reads_world_size_through_the_rank_reader():
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        d.default_run_name({"WORLD_SIZE": "two", "MASTER_ADDR": "n0"})
+    assert d.default_run_name({"WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "29500"}) == "job-n0-29500"
 
 
 def test_exporter_port_is_base_plus_local_rank():

@@ -86,7 +86,7 @@ def test_apply_kernel_patch_without_a_patch_function(monkeypatch, caplog):
 
 
 def test_installing_mfuwatch_never_imports_the_frameworks():
-    code = ("import sys, mfuwatch.agent, mfuwatch.agent.integrations, mfuwatch.agent.integrations.distributed, "
+    code = ("import sys, mfuwatch.agent, mfuwatch.agent.integrations, mfuwatch.agent.distributed, "
             "mfuwatch.agent.integrations._common\n"
             "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate', 'torch') "
             "if m in sys.modules))")

@@ -1,10 +1,10 @@
-"""Tests of the report's plotly figures (agent/report_figures.py): quantiles, breakdown scaling, empty inputs."""
+"""Tests of the report's plotly figures (agent/report/figures.py): quantiles, breakdown scaling, empty inputs."""
 
 from __future__ import annotations
 
 import pytest
 
-from mfuwatch.agent import report_figures as rf
+from mfuwatch.agent.report import figures as rf
 from mfuwatch.agent.schema import CATEGORIES, GpuHealth, to_record
 
 

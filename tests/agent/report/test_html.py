@@ -8,15 +8,16 @@ from __future__ import annotations
 import html
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from mfuwatch.agent import report
+from mfuwatch.agent.report import html as report
 from mfuwatch.agent.schema import GpuHealth, OpShare, RunInfo, StepMeasurement, Suggestion, WindowMeasurement, \
     to_record
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts"
 
 PEAK = 989e12  # H200 SXM dense bf16 FLOP/s (NVIDIA H200 datasheet)
 PARAMS = 1.24e9
@@ -199,6 +200,16 @@ def test_a_run_record_with_the_same_labels_fills_in_facts_and_keeps_the_records(
     assert data.run["host"] == "gpu-node-07"  # an empty field does not erase a known one
 
 
+def test_without_plotly_the_report_command_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    timeline = write_timeline(tmp_path / "t.jsonl")
+    monkeypatch.setitem(sys.modules, "plotly", None)  # what an install without the report extra sees
+    assert report.main([str(timeline), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mfuwatch report: the HTML report needs plotly, which is not installed: "
+                   "pip install 'mfuwatch[report]'"]
+    assert not (tmp_path / "r.html").exists()
+
+
 def test_peak_falls_back_to_the_one_implied_by_the_steps(tmp_path):
     path = write_timeline(tmp_path / "t.jsonl", _run_info(peak_flops_per_second=None, peak_source=""))
     assert report.peak_flops(report.load_timeline(path)) == pytest.approx(PEAK)
@@ -252,7 +263,7 @@ def test_console_check_catches_page_errors(tmp_path):
 
 
 def test_a_file_without_timeline_records_is_an_error(tmp_path):
-    from mfuwatch.agent.report import main
+    from mfuwatch.agent.report.html import main
 
     p = tmp_path / "not-a-timeline.jsonl"
     p.write_text('{"a": 1}\n')
