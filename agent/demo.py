@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from .llama import LlamaLM, LlamaShape
 
 class DemoError(ValueError):
     """A demo argument that cannot work on this machine (reported in one line, exit code 2)."""
@@ -78,15 +79,15 @@ class ByteBatches:
 
 
 @dataclass
-class DemoShape:
-    vocab: int = 256  # bytes
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 352  # ~ 8/3 d, SwiGLU
+class DemoShape(LlamaShape):
+    """The model's sizes (:class:`~mfuwatch.agent.llama.LlamaShape`, bytes as the vocabulary) and the batch."""
+
     seq: int = 128
     batch: int = 16
 
+
+#: The demo's model: the Llama-style decoder the benchmarks also use.
+DemoLM = LlamaLM
 
 PRESETS: Dict[str, DemoShape] = {
     # CPU default: ~0.8 M matmul params, ~0.15 s/step on 2 cores; loss falls from 5.5 to ~2.2 in 600 steps
@@ -96,77 +97,6 @@ PRESETS: Dict[str, DemoShape] = {
     # memory-bound on purpose: narrow and long, so norms and pointwise ops dominate the kernel time
     "memory-bound": DemoShape(d_model=16, n_layers=2, n_heads=2, d_ff=48, seq=32, batch=256),
 }
-
-
-class RMSNorm(nn.Module):
-    """Llama-style RMSNorm written out in PyTorch ops (pow/mean/rsqrt/mul), as most codebases do."""
-
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xf.to(x.dtype)
-
-
-class MLP(nn.Module):
-    """SwiGLU MLP with Llama's projection names."""
-
-    def __init__(self, d: int, ff: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ff, bias=False)
-        self.up_proj = nn.Linear(d, ff, bias=False)
-        self.down_proj = nn.Linear(ff, d, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, s: DemoShape) -> None:
-        super().__init__()
-        self.n_heads = s.n_heads
-        self.input_layernorm = RMSNorm(s.d_model)
-        self.qkv = nn.Linear(s.d_model, 3 * s.d_model, bias=False)
-        self.o_proj = nn.Linear(s.d_model, s.d_model, bias=False)
-        self.post_attention_layernorm = RMSNorm(s.d_model)
-        self.mlp = MLP(s.d_model, s.d_ff)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.input_layernorm(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DemoLM(nn.Module):
-    """Decoder-only byte-level LM. ``forward(idx (B,T) int64) -> logits (B,T,V)``."""
-
-    def __init__(self, s: DemoShape) -> None:
-        super().__init__()
-        self.shape = s
-        self.embed = nn.Embedding(s.vocab, s.d_model)
-        self.layers = nn.ModuleList(Block(s) for _ in range(s.n_layers))
-        self.norm = RMSNorm(s.d_model)
-        self.lm_head = nn.Linear(s.d_model, s.vocab, bias=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
 
 
 # ----------------------------------------------------------------------------- run

@@ -25,73 +25,26 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
+from mfuwatch.agent.llama import LlamaLM, LlamaShape
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, NVIDIA H200 datasheet
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
-class Block(nn.Module):
-    def __init__(self, d, h, ff):
-        super().__init__()
-        self.h = h
-        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
-        self.gate = nn.Linear(d, ff, bias=False)
-        self.up = nn.Linear(d, ff, bias=False)
-        self.down = nn.Linear(ff, d, bias=False)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.n1(x)).split(C, 2)
-        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
-        h = self.n2(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class LM(nn.Module):
-    def __init__(self, V=32000, d=1024, L=24, h=16, ff=2816, ckpt=False):
-        super().__init__()
-        self.emb = nn.Embedding(V, d)
-        self.blocks = nn.ModuleList(Block(d, h, ff) for _ in range(L))
-        self.nf = RMSNorm(d)
-        self.head = nn.Linear(d, V, bias=False)
-        self.ckpt = ckpt
-        self.L, self.d, self.V = L, d, V
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
-        return self.head(self.nf(x))
-
-
 def make(B, T, ckpt=False, L=24, d=1024, ff=2816):
     torch.manual_seed(0)
-    m = LM(L=L, d=d, h=16, ff=ff, ckpt=ckpt).cuda()
+    m = LlamaLM(LlamaShape(vocab=32000, d_model=d, n_layers=L, n_heads=16, d_ff=ff), checkpoint=ckpt).cuda()
+    m.V, m.L, m.d = 32000, L, d
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
     idx = torch.randint(0, m.V, (B, T), device="cuda")
     tgt = torch.randint(0, m.V, (B, T), device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = F.cross_entropy(m(idx).float().view(-1, m.V), tgt.view(-1))
+            loss = F.cross_entropy(m(idx).float().view(-1, m.V), tgt.view(-1))  # loss outside the model's forward
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -38,72 +38,11 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import mfuwatch.kernels as mk
+from mfuwatch.agent.llama import LlamaLM, LlamaShape
 
 V, D, L, HEADS, FF, B, T = 32000, 2048, 4, 16, 5632, 4, 1024
-
-
-class RMSNorm(nn.Module):
-    """Llama RMSNorm in PyTorch ops: statistics in fp32, xhat cast back, then scaled."""
-
-    def __init__(self, d: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases."""
-
-    def __init__(self, d: int, ff: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(d, ff, bias=False)
-        self.up_proj = nn.Linear(d, ff, bias=False)
-        self.down_proj = nn.Linear(ff, d, bias=False)
-        self.act_fn = nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, ff: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = RMSNorm(d), RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.o = nn.Linear(d, d, bias=False)
-        self.mlp = MLP(d, ff)
-
-    def forward(self, x):
-        bsz, t, c = x.shape
-        q, k, v = self.qkv(self.n1(x)).split(c, dim=2)
-        q, k, v = (z.view(bsz, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(y.transpose(1, 2).contiguous().view(bsz, t, c))
-        return x + self.mlp(self.n2(x))
-
-
-class LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block(D, HEADS, FF) for _ in range(L))
-        self.nf = RMSNorm(D)
-        self.head = nn.Linear(D, V, bias=False)
-
-    def forward(self, idx, tgt):
-        x = self.emb(idx)
-        for blk in self.blocks:
-            x = blk(x)
-        logits = self.head(self.nf(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
 
 
 def analytic_flops() -> float:
@@ -123,7 +62,7 @@ def main() -> int:
         return 2
     dev = "cuda"
     torch.manual_seed(0)
-    model = LM().to(dev)
+    model = LlamaLM(LlamaShape(vocab=V, d_model=D, n_layers=L, n_heads=HEADS, d_ff=FF)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     gen = torch.Generator(device=dev).manual_seed(1)
     idx = torch.randint(0, V, (B, T), device=dev, generator=gen)
