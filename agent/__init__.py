@@ -3,7 +3,7 @@
 Usage::
 
     from mfuwatch.agent import watch
-    agent = watch(model, optimizer)           # exporter on 127.0.0.1:9464 + LOCAL_RANK
+    agent = watch(model, optimizer)           # exporter on 127.0.0.1:9478 + LOCAL_RANK
     for batch in loader:
         loss = model(batch).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
     agent.close()

@@ -18,7 +18,6 @@ Prints markdown tables and writes them to $OUT/agent_validation.md when OUT is s
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys

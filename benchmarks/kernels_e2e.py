@@ -37,7 +37,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn as nn
 
 import mfuwatch.kernels as mk
 from mfuwatch.agent.llama import LlamaLM, LlamaShape

@@ -29,7 +29,6 @@ Usage::
 from __future__ import annotations
 
 import gzip
-import io
 import zlib
 from array import array
 from dataclasses import dataclass, field
@@ -401,11 +400,3 @@ def _int(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return -1
-
-
-def iter_json_events(text: str) -> Iterator[Dict[str, Any]]:
-    """Stream events from an in-memory trace string (tests and small excerpts)."""
-    data = text.encode() if isinstance(text, str) else text
-    head = data.lstrip()[:1]
-    prefix = "item" if head == b"[" else "traceEvents.item"
-    yield from ijson.items(io.BytesIO(data), prefix, use_float=True)

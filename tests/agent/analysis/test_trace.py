@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mfuwatch.agent.analysis.trace import TraceError, TraceIndex, iter_json_events, read_trace
+from mfuwatch.agent.analysis.trace import TraceError, TraceIndex, read_trace
 from tests.helpers.chrome_trace_builder import TraceBuilder
 from tests.helpers.traces import TRACES
 
@@ -27,6 +27,7 @@ def _small() -> TraceBuilder:
     assert lin
     return b
 
+
 def test_header_and_events_stream_from_json_and_gzip(tmp_path):
     b = _small()
     for gz in (False, True):
@@ -38,12 +39,14 @@ def test_header_and_events_stream_from_json_and_gzip(tmp_path):
         assert len(events) == len(b.events)
         assert events[0]["name"] == "ProfilerStep#7"
 
+
 def test_kernels_link_to_their_op_by_external_id_or_runtime_correlation(tmp_path):
     index = TraceIndex.build(_small().events)
     ops = [index.op_label(i) if i >= 0 else None for i in index.k_op]
     # gemm: External id on the kernel; elementwise: only through the cudaLaunchKernel correlation; nccl: none
     assert ops == ["aten::addmm", "aten::add_", None]
     assert index.n_kernels == 3
+
 
 def test_ops_nest_per_thread_with_top_level_and_region():
     index = TraceIndex.build(_small().events)
@@ -58,10 +61,12 @@ def test_ops_nest_per_thread_with_top_level_and_region():
     i_bwd = names.index("autograd::engine::evaluate_function: AddmmBackward0")
     assert index.op_top[i_bwd] == i_bwd and index.op_seq[i_bwd] == 41 == index.op_seq[i_mm]
 
+
 def test_wall_span_uses_profiler_steps_and_the_last_kernel():
     index = TraceIndex.build(_small().events)
     assert index.steps == [(0.0, 100.0)]
     assert index.wall_span_us() == (0.0, 110.0)  # the nccl kernel ends at 110 µs, after the step
+
 
 def test_wall_span_without_steps_is_the_profiler_session_else_the_envelope():
     b = TraceBuilder()
@@ -71,13 +76,15 @@ def test_wall_span_without_steps_is_the_profiler_session_else_the_envelope():
     b.session(0.0, 50.0)
     assert TraceIndex.build(b.events).wall_span_us() == (0.0, 50.0)
 
+
 def test_bare_json_array_format(tmp_path):
     path = tmp_path / "array.json"
     path.write_text(json.dumps(_small().events))
     tf = read_trace(str(path))
     assert tf.array_format and tf.metadata == {}
     assert TraceIndex.build(tf.events()).n_kernels == 3
-    assert len(list(iter_json_events(json.dumps(_small().events)))) == len(_small().events)
+    assert len(list(tf.events())) == len(_small().events)
+
 
 def test_truncated_json_fails_clearly_when_streamed(tmp_path):
     data = json.dumps(_small().document()).encode()
@@ -87,12 +94,14 @@ def test_truncated_json_fails_clearly_when_streamed(tmp_path):
     with pytest.raises(TraceError, match="truncated"):
         list(tf.events())
 
+
 def test_truncated_gzip_fails_clearly(tmp_path):
     raw = (TRACES / "llama_bf16_eager.json.gz").read_bytes()
     path = tmp_path / "cut.json.gz"
     path.write_bytes(raw[: len(raw) // 2])
     with pytest.raises(TraceError, match="truncated"):
         list(read_trace(str(path)).events())
+
 
 @pytest.mark.parametrize("content, match", [
     (b"this is not json\n", "not a JSON chrome trace"),
@@ -105,9 +114,11 @@ def test_non_trace_files_fail_clearly(tmp_path, content, match):
     with pytest.raises(TraceError, match=match):
         read_trace(str(path))
 
+
 def test_missing_file_fails_clearly(tmp_path):
     with pytest.raises(TraceError, match="cannot read"):
         read_trace(str(tmp_path / "nope.json"))
+
 
 def test_real_h200_trace_links_every_kernel_to_an_op():
     tf = read_trace(str(TRACES / "llama_bf16_eager.json.gz"))
