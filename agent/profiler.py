@@ -1,36 +1,25 @@
 """Profiler sampler: a short ``torch.profiler`` window every few minutes, analysed in a child process.
 
-Cadence: every ``every_steps`` optimizer steps or ``every_seconds`` (whichever comes first),
-the sampler starts ``torch.profiler.profile`` (CPU + CUDA activities, ``record_shapes=True``)
-with the schedule ``warmup_steps`` then ``active_steps``, driven by :meth:`on_step` at each
-optimizer step boundary. When the window closes, the trace is exported to a temporary file
-on the training thread (Kineto's C++ writer, tens of ms) and analysed by
-``python -m mfuwatch.agent.analysis.analyze --json`` in a child process at lower priority (nice 10
-next to a GPU job, 5 next to CPU training, which keeps every core busy) with one BLAS thread: parsing tens of thousands of events in Python would otherwise take the GIL
-from the training loop (``prof.events()`` for a 5-step window of a 4-layer Llama took
-0.9 s of CPU on an H200 host). The child's :class:`WindowMeasurement` reaches
-``on_window`` from a waiter thread.
+Cadence: every ``every_steps`` optimizer steps or ``every_seconds`` (whichever comes first), driven
+by :meth:`on_step` at each optimizer step boundary: ``torch.profiler.profile`` (CPU + CUDA
+activities, ``record_shapes=True``) for ``warmup_steps`` then ``active_steps``. The trace is
+exported to a temporary file on the training thread and analysed by ``python -m
+mfuwatch.agent.analysis.analyze --json`` in a child process (nice 10 next to a GPU job, 5 next to
+CPU training; one BLAS thread), so parsing never holds the training loop's GIL. The child's
+:class:`WindowMeasurement` reaches ``on_window`` from a waiter thread.
 
-Guards:
-
-* another profiler already active (the user's own) ⇒ the window is skipped, counted in
-  :attr:`windows` ``["skipped_other_profiler"]``, and said once in the log;
-* a trace larger than ``max_trace_bytes`` is not analysed and later windows record half as
-  many steps (this bounds the memory a window takes: Kineto's buffers grow with the events
-  of the active steps);
-* CUPTI left attached after profiling slowed later steps by 10–20% in some torch versions
-  (pytorch/pytorch#144455): with CUDA ≥ 12.6 the sampler sets ``TEARDOWN_CUPTI=1`` unless
-  the environment already sets it, and (on GPUs) it compares the median step interval of
-  the 16 steps after each window (skipping 2), and again 16 steps later, with the 32
-  before; a slowdown above :data:`LASTING_SLOWDOWN` in both checks is reported once
-  through ``on_error`` and stops further windows.
+Guards (each counted in :attr:`windows` and reported through ``on_error`` or the log once):
+another profiler active ⇒ the window is skipped; a trace over ``max_trace_bytes`` is not
+analysed and later windows record half as many steps; with CUDA >= 12.6 ``TEARDOWN_CUPTI=1`` is
+set unless the environment sets it (pytorch/pytorch#144455), and a median step interval after
+a window above the one before by more than :data:`LASTING_SLOWDOWN`, in two checks 16 steps
+apart, stops further windows.
 
 Peaks: the ``peaks`` given (the agent passes what :func:`mfuwatch.agent.peaks.resolve_peaks`
 found for its GPU, PCI id first), else ``resolve_peaks`` by the CUDA device name, else a
-calibration (``peaks.calibrate_matmul`` / ``calibrate_bandwidth``; on the CPU about 2 s once per
-process). They reach the child in one form: :meth:`Peaks.to_dict` as a JSON file, read back by
-``mfuwatch analyze --peaks``. On a CPU-only run the window records CPU ops only and is analysed
-with ``--device cpu`` (each CPU op's self time acts as a kernel, see :mod:`.analysis.roofline`).
+calibration. They reach the child in one form, :meth:`Peaks.to_dict` as a JSON file read back
+by ``mfuwatch analyze --peaks``. On a CPU-only run the window records CPU ops and is analysed
+with ``--device cpu``. Details and measured costs: docs/analyze.md.
 """
 
 from __future__ import annotations
