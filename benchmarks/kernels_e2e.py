@@ -21,9 +21,9 @@ For each of eager / ``torch.compile``, before and after
 (the patch must not change it), the median step time (forward, backward, AdamW; 10 steps
 with a synchronize each, after warm-up), MFU (analytic model FLOPs of the fixture's README
 / step time / the GPU's dense bf16 peak from ``mfuwatch.agent.peaks``, the definition of
-DESIGN.md), the FLOPs ``FlopCounterMode`` counts for one step (eager; it must stay the
+docs/architecture.md), the FLOPs ``FlopCounterMode`` counts for one step (eager; it must stay the
 same up to the fused ops' few elementwise FLOPs) and, from a 3-step profiler window
-classified by ``mfuwatch.agent.analysis.roofline.analyze_events``, the memory-bound share, the top
+classified by ``mfuwatch.agent.analysis.analyze.analyze_events``, the memory-bound share, the top
 ops and the agent's suggestions.
 """
 
@@ -183,7 +183,7 @@ def _profile(step, name, step_s):
         prof.export_chrome_trace(path)
         try:
             from mfuwatch.agent.peaks import lookup
-            from mfuwatch.agent.analysis.roofline import analyze_events
+            from mfuwatch.agent.analysis.analyze import analyze_events
             from mfuwatch.agent.analysis.trace import read_trace
 
             wm = analyze_events(read_trace(path).events(), spec_or_peaks=lookup(name=name), steps=3,

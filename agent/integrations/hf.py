@@ -8,28 +8,13 @@ Usage::
                       callbacks=[MFUWatchCallback(patch_kernels=True)])   # agent config keys go here too
     trainer.train()                                  # exporter on 127.0.0.1:9478 + LOCAL_RANK
 
-What the callback does, and where each fact comes from:
-
-* **step boundaries** — ``on_step_end``, which the Trainer calls once per
-  optimizer step, after all ``gradient_accumulation_steps`` micro-batches (and
-  for the shorter last step of an epoch). It does not hook the optimizer: the
-  Trainer wraps it (Accelerate, DeepSpeed) and may skip its ``step`` under AMP.
-* **tokens** — the model's forward pre-hook reads ``input_ids`` (or
-  ``inputs_embeds``) of every training micro-batch: B x T per micro-batch,
-  padding included (padded positions are computed, so they count for MFU).
-  Evaluation forwards run without gradients and are not counted.
-* **FLOPs** — the analytic formula ``6 N + 12 L d T`` (PaLM appendix B) from
-  ``model.config`` (``num_hidden_layers``, ``hidden_size``) and the weights of
-  the model's ``nn.Linear`` modules, counted when the Trainer is built (before
-  FSDP flattens them) if the callback is passed to ``Trainer(callbacks=...)``.
-* **rank, world size, dtype, run** — ``args.process_index``,
-  ``args.local_process_index``, ``args.world_size``, ``args.bf16``/``args.fp16``
-  and ``args.run_name``, unless the agent config sets them.
-* **evaluation and checkpoints** — ``on_evaluate``/``on_save`` mark the time
-  since the last step as a gap, not training (with agents that support it).
-* ``patch_kernels=True`` (or a dict of ``mfuwatch.kernels.patch`` options)
-  swaps in the fused Triton drop-ins in ``on_init_end``, before the optimizer
-  exists (or in ``on_train_begin`` if the callback was added later).
+Step boundaries come from ``on_step_end`` (once per optimizer step, after all
+``gradient_accumulation_steps`` micro-batches), tokens from the model's forward pre-hook
+(B x T per training micro-batch, padding included), FLOPs from ``model.config`` and the
+``nn.Linear`` weights (``6 N + 12 L d T``, PaLM appendix B), rank / world size / dtype / run
+from ``TrainingArguments`` unless the agent config sets them; ``on_evaluate``/``on_save`` mark
+gaps; ``patch_kernels`` patches in ``on_init_end``, before the optimizer exists. Where each fact
+comes from, in detail: docs/integrations.md.
 
 Requires ``transformers`` (``pip install 'mfuwatch[hf]'``); importing
 :mod:`mfuwatch.agent` alone never imports it.

@@ -7,30 +7,13 @@ Usage::
     trainer = L.Trainer(callbacks=[MFUWatchCallback(patch_kernels=True)], accumulate_grad_batches=4)
     trainer.fit(module, datamodule)                  # exporter on 127.0.0.1:9478 + local rank
 
-What the callback does, and where each fact comes from (as in the Hugging Face
-callback, :mod:`mfuwatch.agent.integrations.hf`):
-
-* **step boundaries** — ``on_train_batch_end`` when ``trainer.global_step``
-  moved, i.e. once per optimizer step whatever ``accumulate_grad_batches`` is
-  (also with manual optimization; several optimizers stepping on one batch
-  make one boundary);
-* **tokens** — the batch itself, in ``on_train_batch_start``: ``input_ids``
-  (or ``inputs_embeds``) of a dict batch, else the first tensor of a tuple
-  batch, B x T per micro-batch, padding included, summed over the micro-batches
-  of the step;
-* **FLOPs** — the analytic formula from a Hugging Face ``config`` of the
-  LightningModule or of the first submodule that has one (e.g.
-  ``self.model = LlamaForCausalLM(...)``), counted in ``setup`` before a
-  sharding strategy flattens the weights; otherwise give ``model_shape`` or
-  ``flops_per_step`` (or the agent measures one step with FlopCounterMode,
-  which needs the module's ``forward`` to be called in ``training_step``);
-* **rank, world size, dtype** — ``trainer.global_rank``, ``trainer.local_rank``,
-  ``trainer.world_size`` and ``trainer.precision`` (``bf16-mixed`` -> bf16,
-  ``16-mixed`` -> fp16), unless the agent config sets them;
-* **validation and checkpoints** — the time they take between two steps is
-  marked as a gap, not training (with agents that support it);
-* ``patch_kernels`` — applied in ``setup`` (before ``configure_optimizers``);
-  modules built later, in ``configure_model``, are not patched.
+Step boundaries come from ``on_train_batch_end`` whenever ``trainer.global_step`` moved (once per
+optimizer step, manual optimization included), tokens from the batch in
+``on_train_batch_start`` (B x T per micro-batch, padding included), FLOPs from a Hugging Face
+``config`` on the module or its first submodule that has one (else ``model_shape``,
+``flops_per_step`` or one FlopCounterMode step), rank / world size / dtype from the trainer
+(``bf16-mixed`` -> bf16, ``16-mixed`` -> fp16) unless the agent config sets them; validation and
+checkpoints are gaps; ``patch_kernels`` patches in ``setup``. In detail: docs/integrations.md.
 
 Requires ``lightning`` (``pip install 'mfuwatch[lightning]'``); importing
 :mod:`mfuwatch.agent` alone never imports it.

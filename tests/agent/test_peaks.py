@@ -238,7 +238,7 @@ def test_load_table_names_the_bad_field(tmp_path):
 
 def test_machine_balance_h200():
     spec = lookup(name="NVIDIA H200")
-    # DESIGN.md: about 989 TFLOP/s / 4.8 TB/s ~ 206 FLOP/B.
+    # docs/architecture.md: about 989 TFLOP/s / 4.8 TB/s ~ 206 FLOP/B.
     assert peaks.machine_balance(spec, "bf16") == pytest.approx(989.4 / 4.8, rel=1e-6)
     assert peaks.machine_balance(spec, "bf16", unit="cuda") == pytest.approx(66.9 / 4.8, rel=1e-6)
     with pytest.raises(ValueError, match="unit"):
