@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import flops as flops_mod
-from . import peaks
+from . import calibrate, peaks
 from .clock import Interval, StepClock
 from .config import AgentConfig, ConfigError, load_config
 from .errors import ErrorCounter
@@ -264,7 +264,7 @@ class Agent:
                 return
             if cfg.calibrate:
                 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._dtype_key or "", torch.float32)
-                self._set_peak(peaks.calibrate_matmul(self.device, dtype), f"calibrated ({_dkey(dtype)} matmul)")
+                self._set_peak(calibrate.calibrate_matmul(self.device, dtype), f"calibrated ({_dkey(dtype)} matmul)")
                 return
             if self.device.type != "cuda":
                 if not self._peak_warned:

@@ -322,19 +322,20 @@ class ProfilerSampler:
         import torch
 
         from . import peaks as table
+        from .calibrate import calibrate_bandwidth, calibrate_matmul
 
         if self.cuda:
             found = table.resolve_peaks(name=torch.cuda.get_device_name(self.device), warn=False)
             if found is not None:
                 return found
-            bw = table.calibrate_bandwidth(self.device)
-            return Peaks(peak_flops={k: table.calibrate_matmul(self.device, k) for k in ("fp32", "bf16", "fp16")},
+            bw = calibrate_bandwidth(self.device)
+            return Peaks(peak_flops={k: calibrate_matmul(self.device, k) for k in ("fp32", "bf16", "fp16")},
                          memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
                          source="calibrated")
         global _CPU_PEAKS
         if _CPU_PEAKS is None:
-            bw = table.calibrate_bandwidth(self.device)
-            _CPU_PEAKS = Peaks(peak_flops={"fp32": table.calibrate_matmul(self.device, "fp32")},
+            bw = calibrate_bandwidth(self.device)
+            _CPU_PEAKS = Peaks(peak_flops={"fp32": calibrate_matmul(self.device, "fp32")},
                                memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
                                name="cpu", source="calibrated")
         return _CPU_PEAKS

@@ -3,7 +3,7 @@
     python3 benchmarks/peak_calibration.py [--device 0]
 
 For each dtype key of the peak table (fp32 with TF32 off, tf32, bf16, fp16, fp8) it runs
-``mfuwatch.agent.peaks.calibrate_matmul`` (8192^3 matmul, CUDA events) and prints the result
+``mfuwatch.agent.calibrate.calibrate_matmul`` (8192^3 matmul, CUDA events) and prints the result
 beside the table's dense peak; then ``calibrate_bandwidth`` (1 GiB copy) beside the HBM peak.
 
 What to expect on a correct row: measured / table between about 0.6 and 1.0 for the tensor
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from mfuwatch.agent import peaks
+from mfuwatch.agent import calibrate, peaks
 
 
 def main() -> int:
@@ -35,7 +35,7 @@ def main() -> int:
     ok = spec is not None
     for key in peaks.DTYPES:
         try:
-            measured = peaks.calibrate_matmul(dev, key)
+            measured = calibrate.calibrate_matmul(dev, key)
         except Exception as exc:  # noqa: BLE001 - e.g. no fp8 on this GPU or torch
             lines.append(f"| {key} | {type(exc).__name__}: {exc} | | |")
             continue
@@ -45,7 +45,7 @@ def main() -> int:
             ok = False
         lines.append(f"| {key} | {measured / 1e12:.1f} | {table / 1e12 if table else 'n/a'} | "
                      f"{f'{ratio:.3f}' if ratio is not None else 'n/a'} |")
-    bw = peaks.calibrate_bandwidth(dev)
+    bw = calibrate.calibrate_bandwidth(dev)
     table_bw = spec.memory_bandwidth_bytes_per_second if spec else None
     lines += ["", "| copy | measured (TB/s) | table (TB/s) | measured / table |", "|---|---:|---:|---:|",
               f"| 1 GiB device copy | {bw / 1e12:.2f} | {table_bw / 1e12 if table_bw else 'n/a'} | "

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from mfuwatch.agent import peaks
+from mfuwatch.agent import calibrate, peaks
 from mfuwatch.agent.peaks import DTYPES, GpuSpec, lookup
 
 # NVML names (as nvidia-smi / nvmlDeviceGetName print them) -> the row each must resolve to.
@@ -248,10 +248,10 @@ def test_machine_balance_h200():
 
 
 def test_calibrate_matmul_on_cpu_is_plausible():
-    flops = peaks.calibrate_matmul("cpu", torch.float32)
+    flops = calibrate.calibrate_matmul("cpu", torch.float32)
     assert 1e8 <= flops <= 1e13
 
 
 def test_calibrate_bandwidth_on_cpu_is_plausible():
-    bw = peaks.calibrate_bandwidth("cpu")
+    bw = calibrate.calibrate_bandwidth("cpu")
     assert 1e8 <= bw <= 1e13
