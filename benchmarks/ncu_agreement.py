@@ -83,13 +83,12 @@ def base_name(name: str) -> str:
 
 def our_kernels(trace_path: str):
     """[(base name, µs, bound, flops share, balance)] of the trace's kernels in start order."""
-    from mfuwatch.agent import peaks
-    from mfuwatch.agent.analysis.roofline import Peaks, build_window
-    from mfuwatch.agent.analysis.trace import read_trace, TraceIndex, GPU_CATEGORIES
+    from mfuwatch.agent.analysis.roofline import build_window
+    from mfuwatch.agent.analysis.trace import GPU_CATEGORIES, TraceIndex, read_trace
+    from mfuwatch.agent.peaks import resolve_peaks
 
     tf = read_trace(trace_path)
-    spec = peaks.lookup(name=tf.device_properties[0]["name"])
-    p = Peaks.from_any(spec)
+    p = resolve_peaks(name=tf.device_properties[0]["name"])  # the resolver the agent uses
     ix = TraceIndex.build(tf.events())
     w = build_window(ix, p, steps=1)
     per_op_time = {}
@@ -106,7 +105,7 @@ def our_kernels(trace_path: str):
         rows.append({"name": base_name(ix.names[ix.k_name[k]]), "us": dur, "bound": w.kr_bound[k],
                      "op": w.kr_label[k], "flops": flops, "our_bytes": (c.bytes * dur / per_op_time[op]) if c and
                      per_op_time.get(op) else 0.0, "balance": balance})
-    return rows, spec
+    return rows, p
 
 
 def ncu_kernels(ncu: str, layers: int, timeout: float, out: Path):

@@ -85,7 +85,7 @@ def main() -> int:
     idle_sampler.close()
 
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    spec = peaks.lookup(name=name) if dev.type == "cuda" else None
+    spec = peaks.resolve_peaks(name=name) if dev.type == "cuda" else None
     windows, errors = [], []
     done = threading.Event()
     sampler = ProfilerSampler(every_steps=a.every_steps, warmup_steps=1, active_steps=3, device=dev, peaks=spec,
