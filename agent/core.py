@@ -172,7 +172,7 @@ class Agent:
         self._start_nvml()  # first: its PCI device id identifies the GPU in the peak table
         # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
         self._resolve_gpu_peaks()
-        self._resolve_peak()
+        self._choose_mfu_peak()
         self._start_alerts()
         self._start_profiler()
 
@@ -255,7 +255,7 @@ class Agent:
         except Exception as exc:  # noqa: BLE001
             self.errors.count("peak", exc)
 
-    def _resolve_peak(self) -> None:
+    def _choose_mfu_peak(self) -> None:
         """Peak FLOP/s: user value > calibration > the GPU's peaks for the training dtype. Unknown => None."""
         cfg = self.config
         try:
@@ -398,7 +398,7 @@ class Agent:
         self.run_info.dtype = self._dtype_key
         self._run_info_dirty = True
         if self._peak is None:
-            self._resolve_peak()
+            self._choose_mfu_peak()
 
     def _flop_abort(self) -> None:
         fc = self._flop_counter
@@ -543,7 +543,7 @@ class Agent:
         tokens_per_step = acc.timed_tokens / acc.timed_steps
         model_f, hw_f = self.flops_per_step(tokens_per_step)
         if self._peak is None and self._dtype_key is not None and not self._peak_warned:
-            self._resolve_peak()
+            self._choose_mfu_peak()
         peak = self._peak
         mfs = model_f / step_time if model_f else 0.0
         m = StepMeasurement(

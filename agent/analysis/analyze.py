@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _peaks(args: argparse.Namespace, device_properties: List[Dict[str, Any]]) -> Tuple[Peaks, str]:
+def _peaks_from_args(args: argparse.Namespace, device_properties: List[Dict[str, Any]]) -> Tuple[Peaks, str]:
     """The :class:`Peaks` of the run and the GPU's name as given (``--gpu``, else the trace's):
     ``--peaks FILE``, else :func:`resolve_peaks` of that name and the flags.
 
@@ -151,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     try:
         tf = read_trace(args.trace)
-        peaks, gpu = _peaks(args, tf.device_properties)
+        peaks, gpu = _peaks_from_args(args, tf.device_properties)
         wm = analyze_events(tf.events(), spec_or_peaks=peaks, steps=args.steps, step_time_seconds=args.step_time,
                             top_k=args.top_k, device_type=args.device, timestamp=os.path.getmtime(args.trace))
     except (TraceError, ValueError) as exc:

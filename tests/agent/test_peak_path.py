@@ -28,7 +28,7 @@ def _agent_peaks(name: str, pci: int):
         a.nvml = SimpleNamespace(pci_device_id=pci)
         a._resolve_gpu_peaks()
         a._dtype_key = "bf16"
-        a._resolve_peak()
+        a._choose_mfu_peak()
         return a.gpu_peaks, a.run_info.peak_flops_per_second
     finally:
         a.device, a.nvml = torch.device("cpu"), None
