@@ -69,7 +69,7 @@ def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
 
 
 @dataclass
-class _Interval:
+class _ReportSums:
     """Sums over the step-clock intervals since the last report (agent thread only).
 
     ``seconds``/``timed_*`` leave out the untimed first step (its duration is NaN);
@@ -180,7 +180,7 @@ class Agent:
         self.timeline.write(to_record("run", self.run_info))
         self._run_info_dirty = False
         self._last_gpu_write = 0.0
-        self._acc = _Interval()
+        self._acc = _ReportSums()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
         self._thread.start()
         _live_agents.add(self)
@@ -532,7 +532,7 @@ class Agent:
         return None, None
 
     def _report(self) -> None:
-        acc, self._acc = self._acc, _Interval()
+        acc, self._acc = self._acc, _ReportSums()
         last: Interval = acc.last
         loss = last.loss
         if isinstance(loss, torch.Tensor):
