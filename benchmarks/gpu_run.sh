@@ -15,7 +15,6 @@ for spec in "$@"; do
     e2e)         cmd="python3 benchmarks/kernels_e2e.py --steps 8" ;;
     host)        cmd="python3 benchmarks/host_overhead.py" ;;
     tests)       cmd="env MFUWATCH_KERNEL_TESTS_ON_GPU=1 python3 -m pytest -q -x tests/kernels" ;;
-    explore)     cmd="python3 benchmarks/explore_run5.py A B C D E" ;;
     validate)    cmd="python3 benchmarks/agent_validation.py" ;;
     profiler)    cmd="python3 benchmarks/profiler_overhead.py" ;;
     ncu)         cmd="python3 benchmarks/ncu_agreement.py --layers 2 --timeout $((secs - 30))" ;;
