@@ -1,7 +1,7 @@
 """Time and peak memory of ``mfuwatch analyze`` on a trace of at least 500 MB (CPU only, no GPU needed).
 
 Generates a big chrome trace by repeating the real H200 Llama trace
-(``../shared/fixtures/traces/llama_bf16_eager.json.gz``) back to back with shifted
+(``tests/fixtures/traces/llama_bf16_eager.json.gz``) back to back with shifted
 timestamps, External ids, correlation ids, sequence numbers and flow ids, written one
 event at a time (the generator itself stays small), then runs
 ``python -m mfuwatch.agent.analysis.analyze BIG --json`` in a child process and reads the child's

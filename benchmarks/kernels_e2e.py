@@ -7,7 +7,7 @@ Run on a CUDA GPU from the repository root (project installed with
     python3 benchmarks/kernels_e2e.py --no-compile    # eager only
     OUT=/dir python3 benchmarks/kernels_e2e.py        # also writes $OUT/kernels_e2e.md (+ .json)
 
-The model is the ``llama_bf16_eager`` workload of ``shared/fixtures/traces/make_traces.py``
+The model is the ``llama_bf16_eager`` workload of ``tests/fixtures/traces/make_traces.py``
 (V=32000, d=2048, 4 layers, 16 heads, SwiGLU ff=5632, RMSNorm written out in PyTorch,
 SDPA attention, bf16 autocast, batch 4 x 1024, AdamW foreach), written again here because
 only the repository travels to the GPU machine. Two differences, both needed for
