@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-FIXTURE = Path(__file__).resolve().parents[1] / ".." / "shared" / "fixtures" / "traces" / "llama_bf16_eager.json.gz"
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "traces" / "llama_bf16_eager.json.gz"
 
 
 def generate(path: Path, target_mb: float) -> dict:
