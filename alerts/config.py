@@ -59,9 +59,11 @@ class NotifierConfig:
     """One notifier. ``url_env``/``url_file`` (and ``token_*``) say where the secret is, never what it is.
 
     HTTP timing: each request times out after ``timeout_seconds``; connection
-    errors, timeouts, 408, 429 and 5xx are retried up to ``max_retries`` times
-    after ``backoff_seconds * 2**attempt`` (capped at ``max_backoff_seconds``, with
-    jitter), or after the ``Retry-After`` the receiver asks for (capped likewise).
+    errors, timeouts, 408, 429 and 5xx are retried after ``backoff_seconds * 2**attempt``
+    (capped at ``max_backoff_seconds``, with jitter), or after the ``Retry-After`` the
+    receiver asks for (capped likewise), until delivered or superseded by a newer
+    state of the same group (``max_retries: None``, the default, as Alertmanager), or
+    at most ``max_retries`` times when it is set.
     """
 
     type: str
@@ -71,7 +73,7 @@ class NotifierConfig:
     token_env: Optional[str] = None
     token_file: Optional[str] = None
     timeout_seconds: float = 5.0
-    max_retries: int = 5
+    max_retries: Optional[int] = None  # None: retry until delivered or superseded
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
     queue_size: int = 100
@@ -85,7 +87,8 @@ class NotifierConfig:
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.type != "console":
-            d.update(timeout=format_duration(self.timeout_seconds), max_retries=self.max_retries,
+            d.update(timeout=format_duration(self.timeout_seconds),
+                     max_retries="unlimited" if self.max_retries is None else self.max_retries,
                      backoff=format_duration(self.backoff_seconds),
                      max_backoff=format_duration(self.max_backoff_seconds))
         else:
@@ -210,6 +213,13 @@ def load_config(source: ConfigSource = None) -> AlertConfig:
     )
 
 
+def _max_retries(value: Any, where: str) -> Optional[int]:
+    """``None``/``unlimited`` (retry until delivered or superseded) or an integer >= 0."""
+    if value is None or value == "unlimited":
+        return None
+    return as_number(value, where, minimum=0, integer=True)
+
+
 def parse_notifier(spec: Any, where: str, default_queue_size: int) -> NotifierConfig:
     """Validate one ``notifiers[i]`` entry."""
     spec = require_mapping(spec, where)
@@ -251,7 +261,7 @@ def parse_notifier(spec: Any, where: str, default_queue_size: int) -> NotifierCo
         type=kind, name=name, url_env=spec.get("url_env"), url_file=spec.get("url_file"),
         token_env=spec.get("token_env"), token_file=spec.get("token_file"),
         timeout_seconds=timeout,
-        max_retries=as_number(spec.get("max_retries", 5), f"{where}.max_retries", minimum=0, integer=True),
+        max_retries=_max_retries(spec.get("max_retries"), f"{where}.max_retries"),
         backoff_seconds=parse_duration(spec.get("backoff", 0.5), f"{where}.backoff"),
         max_backoff_seconds=parse_duration(spec.get("max_backoff", 30.0), f"{where}.max_backoff"),
         queue_size=as_number(spec.get("queue_size", default_queue_size), f"{where}.queue_size", minimum=1,
