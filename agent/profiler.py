@@ -11,6 +11,16 @@ from the training loop (``prof.events()`` for a 5-step window of a 4-layer Llama
 0.9 s of CPU on an H200 host). The child's :class:`WindowMeasurement` reaches
 ``on_window`` from a waiter thread.
 
+Cadence and analyses in flight: a window starts on its cadence even while the previous
+window's analysis still runs. At most one analysis runs at a time and at most one finished
+trace waits for it; a window that finishes while one is already waiting is dropped and
+counted (``skipped_busy``). So a slow analysis delays results by at most one window and
+never stretches the cadence.
+
+Expected gains are fractions of the window's *own* step time (the mean interval of its
+active steps, profiler overhead included), the time the op durations in the trace were
+measured against; the step time measured outside the window would be shorter and inflate them.
+
 Guards:
 
 * another profiler already active (the user's own) ⇒ the window is skipped, counted in
@@ -73,7 +83,7 @@ class ProfilerSampler:
         max_trace_bytes: larger exported traces are not analysed (default 1 GiB).
         analyze_timeout_seconds: the child is killed after this long (default 300 s).
         on_outcome: optional ``on_outcome(outcome)`` per window, outcome one of "ok", "error",
-            "skipped_other_profiler", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
+            "skipped_other_profiler", "skipped_busy", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
             the same counts are kept in :attr:`windows`.
 
     Raises:
@@ -119,6 +129,8 @@ class ProfilerSampler:
         self._watch_at: Optional[int] = None
         self._watch_hits = 0
         self._busy = False  # a child analysis is running
+        self._pending: Optional[tuple] = None  # one exported trace waiting for the running analysis
+        self._marks: list = []
         self._closing = False  # set by close(): results of a terminated child are dropped
         self._stopping = False  # set by close(): no new windows
         self._said_skip = False
@@ -145,7 +157,7 @@ class ProfilerSampler:
             return
         if self._watch_at is not None and self._n >= self._watch_at:
             self._check_slowdown()
-        if self._busy or self.disabled or self._stopping:
+        if self.disabled or self._stopping:
             return
         if (self._next_step is not None and step >= self._next_step) or (
                 self._next_time is not None and time.monotonic() >= self._next_time):
@@ -180,6 +192,7 @@ class ProfilerSampler:
             self._window_step, self._prof_steps = step, 0
             try:
                 prof.start()
+                self._marks = [time.perf_counter()]  # step boundaries of this window (for its own step time)
             except RuntimeError as exc:  # Kineto refuses a second session: the user's profiler won the race
                 if "already" in str(exc).lower() or "enabled" in str(exc).lower():
                     self._skip_other()
@@ -207,6 +220,12 @@ class ProfilerSampler:
     def _advance(self, step: int) -> None:
         prof = self._prof
         self._window_step = step  # the window's measurement is stamped with its last step
+        self._marks.append(time.perf_counter())
+        w, n = self.warmup_steps, self.active_steps
+        if len(self._marks) == w + n + 1:  # this boundary ends the last active step: the window's own step time
+            own = (self._marks[w + n] - self._marks[w]) / n
+            if own > 0:
+                self._step_time = own
         try:
             prof.step()  # the last call stops the trace and runs _ready() on this thread
             self._prof_steps += 1
@@ -251,17 +270,33 @@ class ProfilerSampler:
                 cmd += ["--measured-bandwidth", repr(float(self._peaks["measured_bandwidth_bytes_per_second"]))]
             if self._step_time:
                 cmd += ["--step-time", repr(float(self._step_time))]
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env, close_fds=True)
+            job = (cmd, out, workdir, self._window_step)
             with self._lock:
-                self._busy, self._child = True, child
-            self._waiter = threading.Thread(target=self._wait_child, args=(child, out, workdir, self._window_step),
-                                            name="mfuwatch-window", daemon=True)
-            self._waiter.start()
+                if self._busy:
+                    if self._pending is None:
+                        self._pending, job = job, None  # started by the waiter when the running analysis ends
+                    else:
+                        self._count("skipped_busy")
+                        shutil.rmtree(workdir, ignore_errors=True)
+                        return
+            if job is not None:
+                self._launch(job)
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(workdir, ignore_errors=True)
             self._fail(exc)
+
+    def _launch(self, job: tuple) -> None:
+        """Start the child analysis of one exported trace and its waiter thread."""
+        cmd, out, workdir, step = job
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        # its own session: a Ctrl-C in the terminal goes to the training process, not to the analysis child
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, env=env, close_fds=True, start_new_session=True)
+        with self._lock:
+            self._busy, self._child = True, child
+        self._waiter = threading.Thread(target=self._wait_child, args=(child, out, workdir, step),
+                                        name="mfuwatch-window", daemon=True)
+        self._waiter.start()
 
     # ------------------------------------------------------------------ waiter thread
     def _wait_child(self, child: subprocess.Popen, out: str, workdir: str, step: int) -> None:
@@ -290,6 +325,16 @@ class ProfilerSampler:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:
                 self._busy, self._child = False, None
+                job, self._pending = self._pending, None
+            if job is not None:
+                if self._closing or self._stopping:
+                    shutil.rmtree(job[2], ignore_errors=True)
+                else:
+                    try:
+                        self._launch(job)
+                    except Exception as exc:  # noqa: BLE001
+                        shutil.rmtree(job[2], ignore_errors=True)
+                        self._fail(exc)
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, exc: BaseException) -> None:

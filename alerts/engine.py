@@ -102,6 +102,7 @@ class AlertEngine:
         self._errors = 0
         self._logged: set = set()
         self._stop = threading.Event()
+        self._window_arrived = threading.Event()  # wakes the evaluation thread when a profiler window arrives
         self._threads: List[threading.Thread] = []
         self._closed = False
         rules = [r for r in config.rules if r.enabled and r.in_process]
@@ -183,6 +184,7 @@ class AlertEngine:
         self._closed = True
         deadline = time.monotonic() + max(0.0, timeout)
         self._stop.set()
+        self._window_arrived.set()
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         try:
@@ -240,6 +242,7 @@ class AlertEngine:
         """Record a profiler window (memory-bound share, idle share, top ops, suggestions)."""
         try:
             self.store.observe_window(w)
+            self._window_arrived.set()  # evaluate now, not at the next interval: a short run still alerts in-run
         except Exception as exc:  # noqa: BLE001
             self._error("observe_window", exc)
 
@@ -296,7 +299,15 @@ class AlertEngine:
                     self._error("on_event", exc)
 
     def _loop(self, interval: float, rules: List[Rule]) -> None:
-        while not self._stop.wait(interval):
+        wake = self._window_arrived if rules is self._eval_rules else None
+        while True:
+            if wake is not None:
+                wake.wait(interval)
+                wake.clear()
+            else:
+                self._stop.wait(interval)
+            if self._stop.is_set():
+                return
             try:
                 self.evaluate(rules=rules)
             except Exception as exc:  # noqa: BLE001
