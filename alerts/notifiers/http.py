@@ -32,6 +32,7 @@ import requests
 from ..config import NotifierConfig
 from ..model import Notification
 from ..secrets import Secret, resolve_secret
+from ..validation import check_url
 from .base import Notifier
 
 RETRY_STATUS = frozenset({408, 429} | set(range(500, 600)))
@@ -74,6 +75,7 @@ class HttpNotifier(Notifier):
         self._url: Secret = resolve_secret(config.url_env, config.url_file, f"{where} url")
         if not self._url.reveal().startswith(("http://", "https://")):
             raise ValueError(f"{where}: the URL from {self._url.source} is not an http(s) URL")
+        check_url(self._url.reveal(), f"{where} (from {self._url.source})", echo=False)  # e.g. port 187020
         self._token: Optional[Secret] = None
         if config.token_env or config.token_file:
             self._token = resolve_secret(config.token_env, config.token_file, f"{where} token")
