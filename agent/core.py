@@ -42,14 +42,17 @@ _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
     """Tokens in one forward call's inputs: ``(tokens, seq_len or None)``.
 
-    The input is ``input_ids`` / ``inputs_embeds`` if passed by keyword, else
-    the first tensor argument. Integer tensors (token ids) of shape (B, T) give
-    B·T; float tensors of shape (B, T, C) give B·T; any other shape counts its
-    first dimension (samples, e.g. images). Shape reads only: no device sync.
+    The input is ``input_ids`` / ``inputs_embeds`` if passed by keyword or inside a
+    dict passed as an argument (``model(batch)`` with ``{"input_ids": …}``, a Hugging
+    Face ``BatchEncoding``), else the first tensor argument. Integer tensors (token
+    ids) of shape (B, T) give B·T; float tensors of shape (B, T, C) give B·T; any
+    other shape counts its first dimension (samples, e.g. images). Shape reads only:
+    no device sync.
     """
     t = None
+    maps = [kwargs] + [a for a in args if isinstance(a, Mapping)]
     for key in ("input_ids", "inputs_embeds", "idx", "tokens", "x"):
-        v = kwargs.get(key)
+        v = next((m.get(key) for m in maps if isinstance(m.get(key), torch.Tensor)), None)
         if isinstance(v, torch.Tensor):
             t = v
             break
@@ -371,8 +374,11 @@ class Agent:
     # ------------------------------------------------------------ training thread
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
-            if not torch.is_grad_enabled():
-                return None  # evaluation forward: not training tokens
+            if not torch.is_grad_enabled() or not module.training:
+                # Training tokens are those of forwards with autograd on and the model in train mode;
+                # a metric pass in model.eval() (with or without no_grad) is not training. A model trained
+                # in eval mode passes its tokens with step(tokens=...) or tokens_per_step.
+                return None
             if self.config.tokens_per_step is None:
                 n, seq = count_tokens(args, kwargs)
                 self._pending_tokens += n
