@@ -9,8 +9,11 @@ or as one JSON ``WindowMeasurement`` record with ``--json``.
 Peak FLOP/s and bandwidth: ``--peak-flops``/``--bandwidth`` when given; else the GPU
 named by ``--gpu``, else the trace's ``deviceProperties[0].name``, looked up in the peak
 table (``mfuwatch.agent.peaks``). Exit status: 0 on success, 1 when the file is not a
-readable trace (not JSON, truncated, no GPU activity) or the GPU is unknown, 2 on usage
-errors. The profiler sampler runs this module in a child process on each live window.
+readable trace (not JSON, truncated, nested deeper than any profiler trace, events of the
+wrong shape, no GPU activity), the GPU is unknown or ``--output`` cannot be written (one
+line on stderr, no traceback), 2 on usage errors (e.g. ``--steps -1``). ``--json`` never
+prints NaN or Infinity (JSON has neither): a value that is not finite is ``null``.
+The profiler sampler runs this module in a child process on each live window.
 
     mfuwatch analyze trace.json.gz
     mfuwatch analyze trace.json --json --steps 3 --step-time 0.0267
@@ -31,27 +34,39 @@ from .trace import TraceError, read_trace
 _DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not v > 0 or v != v or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return v
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mfuwatch analyze", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="chrome trace exported by torch.profiler (.json or .json.gz)")
     p.add_argument("--json", action="store_true", help="print one JSON WindowMeasurement record")
     p.add_argument("--output", metavar="FILE", help="write the output to FILE instead of stdout")
-    p.add_argument("--steps", type=int, help="training steps in the trace (default: ProfilerStep# or "
+    p.add_argument("--steps", type=_positive(int), help="training steps in the trace (default: ProfilerStep# or "
                                              "Optimizer.step# annotations, else 1)")
-    p.add_argument("--step-time", type=float, metavar="SECONDS",
+    p.add_argument("--step-time", type=_positive(float), metavar="SECONDS",
                    help="step time measured outside the profiler, for the gains (default: wall / steps)")
     p.add_argument("--gpu", help="GPU name for the peak table (default: the trace's deviceProperties)")
     p.add_argument("--peak-flops", action="append", default=[], metavar="DTYPE=FLOP/S",
                    help=f"dense peak FLOP/s per dtype ({', '.join(_DTYPES)}), e.g. bf16=989e12; repeatable")
-    p.add_argument("--bandwidth", type=float, metavar="BYTES/S", help="peak memory bandwidth, e.g. 4.8e12")
-    p.add_argument("--measured-bandwidth", type=float, metavar="BYTES/S",
+    p.add_argument("--bandwidth", type=_positive(float), metavar="BYTES/S", help="peak memory bandwidth, e.g. 4.8e12")
+    p.add_argument("--measured-bandwidth", type=_positive(float), metavar="BYTES/S",
                    help="calibrated bandwidth for the replacement times (default: from the window)")
     p.add_argument("--fp32-matmul", choices=("fp32", "tf32"), default="fp32",
                    help="unit fp32 matmuls ran on (tf32 when torch allowed TF32)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a CPU-only trace, each op's self time acts as a kernel (needs --peak-flops fp32=… --bandwidth)")
-    p.add_argument("--top-k", type=int, default=8, help="ops to list (default 8)")
+    p.add_argument("--top-k", type=_positive(int), default=8, help="ops to list (default 8)")
     p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)  # the live sampler's child
     return p
 
@@ -67,7 +82,12 @@ def _peaks(args: argparse.Namespace, device_properties: List[Dict[str, Any]]) ->
         key, _, val = item.partition("=")
         if key not in _DTYPES or not val:
             raise ValueError(f"--peak-flops: expected DTYPE=FLOP/S with DTYPE in {', '.join(_DTYPES)}, got {item!r}")
-        flops[key] = float(val)
+        try:
+            flops[key] = float(val)
+        except ValueError:
+            raise ValueError(f"--peak-flops: {item!r}: expected a number of FLOP/s after '='") from None
+        if not 0 < flops[key] < float("inf"):
+            raise ValueError(f"--peak-flops: {item!r}: expected a positive FLOP/s")
     bw = args.bandwidth
     name = args.gpu or (device_properties[0].get("name") if device_properties else None)
     spec = None
@@ -105,18 +125,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         wm = analyze_events(tf.events(), spec_or_peaks=peaks, steps=args.steps, step_time_seconds=args.step_time,
                             top_k=args.top_k, device_type=args.device, timestamp=os.path.getmtime(args.trace))
     except (TraceError, ValueError) as exc:
-        print(f"mfuwatch analyze: error: {exc}", file=sys.stderr)
+        print(f"mfuwatch analyze: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"mfuwatch analyze: error: {args.trace}: out of memory while indexing the trace", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a malformed trace is a one-line error, not a traceback
+        print(f"mfuwatch analyze: error: {args.trace}: events of an unexpected shape "
+              f"({type(exc).__name__}: {_one_line(exc)})", file=sys.stderr)
         return 1
     if args.json:
+        from .timeline import _clean
+
         rec = to_record("window", wm)
         rec["analysis"] = {"trace": args.trace, "gpu": peaks["name"], "peak_flops": peaks["peak_flops"],
                            "memory_bandwidth_bytes_per_second": peaks["memory_bandwidth_bytes_per_second"]}
-        text = json.dumps(rec)
+        text = json.dumps(_clean(rec), allow_nan=False)  # NaN/Infinity → null: strict JSON readers accept it
     else:
         text = render(wm, title=f"{args.trace} ({peaks['name'] or args.device})")
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            print(f"mfuwatch analyze: error: cannot write --output {args.output}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 1
     else:
         try:
             print(text)
@@ -124,6 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         except BrokenPipeError:  # e.g. piped into `head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
 
 
 def render(wm: Any, title: str = "") -> str:
