@@ -275,7 +275,14 @@ class Agent:
 
             if cfg.calibrate:
                 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._dtype_key or "", torch.float32)
-                self._set_peak(peaks.calibrate_matmul(self.device, dtype), f"calibrated ({_dkey(dtype)} matmul)")
+                measure = lambda: peaks.calibrate_matmul(self.device, dtype)  # noqa: E731
+                if cfg.world_size > 1 and self.device.type == "cpu":
+                    # CPU ranks of one job share one measurement (they would compete for the cores otherwise)
+                    from .calib_cache import shared_value
+
+                    measure = (lambda m=measure: shared_value(
+                        f"peak|{cfg.run}|{socket.gethostname()}|{self.device}|{_dkey(dtype)}", m))
+                self._set_peak(measure(), f"calibrated ({_dkey(dtype)} matmul)")
                 return
             if self.device.type != "cuda":
                 if not self._peak_warned:
