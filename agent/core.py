@@ -599,6 +599,7 @@ class Agent:
             mfu=(mfs / peak) if (peak and model_f) else None,
             hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,
             loss=loss if (loss is None or math.isfinite(loss)) else None,
+            tokens_per_step=tokens_per_step,
         )
         if m.mfu is not None and m.mfu > 1.0 and not self._mfu_warned:
             self._mfu_warned = True
