@@ -108,3 +108,17 @@ def test_close_reports_what_it_could_not_deliver(run_info, clock, monkeypatch, c
     assert len(lost) == 1 and "GpuMemoryPressure (resolved)" in lost[0] and lost[0].startswith("webhook: resolved")
     assert any("dropped at close" in r.getMessage() for r in caplog.records)
     assert "127.0.0.1" not in caplog.text  # the URL is a secret
+
+
+def test_a_delivery_after_failures_is_concluded_in_the_log(receiver, run_info, clock, monkeypatch, caplog):
+    from helpers.receiver import Reply
+
+    receiver.script(Reply(503), Reply(503))
+    engine = _engine(receiver.port, run_info, clock, monkeypatch, [])
+    with caplog.at_level("INFO", logger="mfuwatch.alerts"):
+        engine.observe_gpu(GpuHealth(timestamp=clock(), memory_used_bytes=99.0, memory_total_bytes=100.0))
+        engine.evaluate()
+        assert receiver.wait_for_delivered(1, timeout=10)
+        engine.close(timeout=5)
+    done = [r.getMessage() for r in caplog.records if "delivered" in r.getMessage()]
+    assert any("after 2 retries" in m and "GpuMemoryPressure" in m for m in done), done
