@@ -220,6 +220,9 @@ class NotifierWorker:
         with self._cv:
             items = list(self._items)
             same = [i for i, n in enumerate(items) if n.group_key == current.group_key]
+            if not same:  # nothing newer after all: keep it for another attempt
+                self._items.appendleft(current)
+                return
             merged = current
             for i in same[:-1]:
                 merged = merge_superseded(merged, items[i])
