@@ -366,6 +366,8 @@ class Agent:
                 every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,
                 active_steps=self.config.profile_active_steps, device=self.device, gpu_spec=self._gpu_spec,
                 top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
+                shared_key=(f"window|{self.config.run}|{socket.gethostname()}"
+                            if self.config.world_size > 1 and self.device.type == "cpu" else None),
             )
         except Exception as exc:  # noqa: BLE001
             self.errors.count("profiler", exc)

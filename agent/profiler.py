@@ -82,6 +82,8 @@ class ProfilerSampler:
         on_error: ``on_error("profiler", exc)`` for every failure (never raised to the caller).
         max_trace_bytes: larger exported traces are not analysed (default 1 GiB).
         analyze_timeout_seconds: the child is killed after this long (default 300 s).
+        shared_key: when set (CPU ranks of one job), the CPU calibration is shared through
+            :func:`mfuwatch.agent.calib_cache.shared_value` under this key.
         on_outcome: optional ``on_outcome(outcome)`` per window, outcome one of "ok", "error",
             "skipped_other_profiler", "skipped_busy", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
             the same counts are kept in :attr:`windows`.
@@ -95,7 +97,7 @@ class ProfilerSampler:
                  top_k: int = 8, on_window: Callable[[WindowMeasurement], None],
                  on_error: Callable[[str, BaseException], None], max_trace_bytes: int = 1 << 30,
                  analyze_timeout_seconds: float = 300.0,
-                 on_outcome: Optional[Callable[[str], None]] = None) -> None:
+                 on_outcome: Optional[Callable[[str], None]] = None, shared_key: Optional[str] = None) -> None:
         if not every_steps and not every_seconds:
             raise ValueError("profile_every: set every_steps or every_seconds (e.g. '500 steps' or '300s')")
         if (every_steps is not None and every_steps <= 0) or (every_seconds is not None and every_seconds <= 0):
@@ -138,6 +140,7 @@ class ProfilerSampler:
         self._child: Optional[subprocess.Popen] = None
         self._waiter: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._shared_key = shared_key
         if self.cuda and "TEARDOWN_CUPTI" not in os.environ and _cuda_at_least(12, 6):
             os.environ["TEARDOWN_CUPTI"] = "1"  # detach CUPTI after each window (pytorch/pytorch#144455)
 
@@ -387,8 +390,16 @@ class ProfilerSampler:
         else:
             global _CPU_PEAKS
             if _CPU_PEAKS is None:
-                bw = table.calibrate_bandwidth(self.device)
-                _CPU_PEAKS = {"peak_flops": {"fp32": table.calibrate_matmul(self.device, "fp32")},
+                measure_bw = lambda: table.calibrate_bandwidth(self.device)  # noqa: E731
+                measure_mm = lambda: table.calibrate_matmul(self.device, "fp32")  # noqa: E731
+                if self._shared_key:  # the CPU ranks of one job classify windows against one calibration
+                    from .calib_cache import shared_value
+
+                    bw = shared_value(self._shared_key + "|bandwidth", measure_bw)
+                    mm = shared_value(self._shared_key + "|fp32 matmul", measure_mm)
+                else:
+                    bw, mm = measure_bw(), measure_mm()
+                _CPU_PEAKS = {"peak_flops": {"fp32": mm},
                               "memory_bandwidth_bytes_per_second": bw, "measured_bandwidth_bytes_per_second": bw}
             p = dict(_CPU_PEAKS)
         p["fp32_matmul"] = "tf32" if self.cuda and torch.backends.cuda.matmul.allow_tf32 else "fp32"

@@ -48,3 +48,21 @@ def test_agents_of_two_cpu_ranks_report_the_same_peak(tmp_path, monkeypatch):
     finally:
         a0.close()
         a1.close()
+
+
+def test_window_calibration_of_cpu_ranks_is_shared(tmp_path, monkeypatch):
+    import torch
+
+    from mfuwatch.agent import profiler as profiler_mod
+
+    monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiler_mod, "_CPU_PEAKS", None)
+    monkeypatch.setattr(peak_table, "calibrate_bandwidth", lambda device: 3.0e10)  # this rank would measure...
+    monkeypatch.setattr(peak_table, "calibrate_matmul", lambda device, dtype: 9.0e10)
+    key = "window|job|host"
+    shared_value(key + "|bandwidth", lambda: 2.0e10)  # ...but rank 0 measured first
+    shared_value(key + "|fp32 matmul", lambda: 5.0e10)
+    s = profiler_mod.ProfilerSampler(every_steps=5, device=torch.device("cpu"), on_window=lambda w: None,
+                                     on_error=lambda c, e: None, shared_key=key)
+    p = s._resolve_peaks()
+    assert p["memory_bandwidth_bytes_per_second"] == 2.0e10 and p["peak_flops"]["fp32"] == 5.0e10
