@@ -13,9 +13,9 @@ from the training loop (``prof.events()`` for a 5-step window of a 4-layer Llama
 
 Cadence and analyses in flight: a window starts on its cadence even while the previous
 window's analysis still runs. At most one analysis runs at a time and at most one finished
-trace waits for it; a window that finishes while one is already waiting is dropped and
-counted (``skipped_busy``). So a slow analysis delays results by at most one window and
-never stretches the cadence.
+trace waits for it; a window due while one is already waiting is not recorded (no profiling
+overhead for a result that would be dropped) and is counted (``skipped_busy``). So a slow
+analysis delays results by at most one window and never stretches the cadence.
 
 Expected gains are fractions of the window's *own* step time (the mean interval of its
 active steps, profiler overhead included), the time the op durations in the trace were
@@ -164,6 +164,10 @@ class ProfilerSampler:
             return
         if (self._next_step is not None and step >= self._next_step) or (
                 self._next_time is not None and time.monotonic() >= self._next_time):
+            if self._pending is not None:  # one analysis runs and one trace waits: recording more is wasted
+                self._schedule_next(step)
+                self._count("skipped_busy")
+                return
             self._start(step, step_time_seconds)
 
     def _schedule_next(self, step: int) -> None:
