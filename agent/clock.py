@@ -143,8 +143,9 @@ class StepClock:
                         self._merged_tokens += extra  # belongs to the next interval
                 continue
             if prev is None:
-                if b.step > 0:  # first boundary without a start mark: its step is not timed
-                    out.append(Interval(b.step, b.step, 1, float("nan"), b.tokens + extra, b.wall, b.loss))
+                if b.step > 0:  # first boundary without a start mark (or the start merged away): untimed,
+                    # and it covers every step since the agent began (steps 1..b.step), merged ones included
+                    out.append(Interval(1, b.step, b.step, float("nan"), b.tokens + extra, b.wall, b.loss))
                 continue
             out.append(
                 Interval(

@@ -22,6 +22,9 @@ import yaml
 from .distributed import default_run_name, exporter_port, rank_from_env
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+#: Upper bounds of the profiler window: Kineto buffers every event of the recorded steps in memory, so
+#: memory grows with them; 50 steps is already minutes of a large job.
+MAX_PROFILE_STEPS = 50
 
 
 class ConfigError(ValueError):
@@ -127,16 +130,22 @@ def parse_profile_every(value: Any) -> ProfileEvery:
     if isinstance(value, int) and value > 0:
         return ProfileEvery(steps=value)
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(steps?|s|sec|seconds?|m|min|minutes?|h|hours?)\s*", value)
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*steps?\s*", value)
         if m:
-            n, unit = float(m.group(1)), m.group(2)
+            n = float(m.group(1))
+            if n != int(n):
+                raise ConfigError(f"profile_every: steps must be a whole number, got {value!r}")
             if n > 0:
-                if unit.startswith("step"):
-                    if n != int(n):
-                        raise ConfigError(f"profile_every: steps must be a whole number, got {value!r}")
-                    return ProfileEvery(steps=int(n))
-                scale = 3600.0 if unit.startswith("h") else 60.0 if unit.startswith("m") else 1.0
-                return ProfileEvery(seconds=n * scale)
+                return ProfileEvery(steps=int(n))
+        else:
+            from mfuwatch.alerts.validation import parse_duration  # the one duration grammar of both files
+
+            try:
+                seconds = parse_duration(value, "profile_every")
+            except ValueError:
+                seconds = 0.0
+            if seconds > 0:
+                return ProfileEvery(seconds=seconds)
     raise ConfigError(
         f"profile_every: expected e.g. '500 steps', '300s', '5 min', a positive integer (steps) or 'off', got {value!r}"
     )
@@ -159,6 +168,9 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     _check_type("port", cfg.port, (int,), "an integer port 0..65535 (0 = any free port)")
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"port: expected 0..65535 (0 = any free port), got {cfg.port}")
+    if cfg.port and cfg.port + cfg.local_rank > 65535:
+        raise ConfigError(f"port: base port {cfg.port} + LOCAL_RANK {cfg.local_rank} passes 65535; expected a base "
+                          "port such that port + local rank <= 65535")
     _check_type("bind", cfg.bind, (str,), "an address such as '127.0.0.1' or '0.0.0.0'")
     if cfg.exporter:
         import socket
@@ -174,6 +186,15 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         v = getattr(cfg, name)
         if v is not None and not Path(v).is_file():
             raise ConfigError(f"{name}: file not found: {v}")
+    if cfg.tls_certfile is not None:
+        import ssl
+
+        try:  # the exporter would otherwise fail later, on its own thread, and serve nothing
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
+        except (ssl.SSLError, OSError, ValueError) as exc:
+            raise ConfigError(f"tls_certfile / tls_keyfile: cannot load {cfg.tls_certfile} with {cfg.tls_keyfile} "
+                              f"({type(exc).__name__}: {getattr(exc, 'reason', None) or exc}); expected a PEM "
+                              "certificate and its matching PEM private key") from None
     _check_type("report_every_steps", cfg.report_every_steps, (int,), "a positive integer")
     if cfg.report_every_steps < 1:
         raise ConfigError(f"report_every_steps: expected a positive integer, got {cfg.report_every_steps}")
@@ -222,11 +243,17 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     if cfg.nvml_interval_seconds < 0.05:
         raise ConfigError(f"nvml_interval_seconds: expected >= 0.05, got {cfg.nvml_interval_seconds}")
     cfg.profile_every = parse_profile_every(cfg.profile_every)
-    for name, lo in (("profile_warmup_steps", 0), ("profile_active_steps", 1), ("top_k_ops", 1)):
+    for name, lo, hi in (("profile_warmup_steps", 0, MAX_PROFILE_STEPS), ("profile_active_steps", 1, MAX_PROFILE_STEPS),
+                         ("top_k_ops", 1, 100)):
         v = getattr(cfg, name)
-        _check_type(name, v, (int,), f"an integer >= {lo}")
-        if v < lo:
-            raise ConfigError(f"{name}: expected an integer >= {lo}, got {v}")
+        if isinstance(v, float) and v.is_integer() and lo <= v <= hi:
+            v = int(v)
+            setattr(cfg, name, v)
+        _check_type(name, v, (int,), f"an integer {lo}..{hi}")
+        if not lo <= v <= hi:
+            raise ConfigError(f"{name}: expected an integer {lo}..{hi} (the profiler holds every event of the "
+                              f"window in memory), got {v}" if name != "top_k_ops" else
+                              f"{name}: expected an integer {lo}..{hi} (one series per op), got {v}")
     if cfg.alerts is not None and not isinstance(cfg.alerts, (bool, dict, str, Path)):
         raise ConfigError(f"alerts: expected true/false, a mapping, or a path to an alert-rules YAML, got {cfg.alerts!r}")
     for name in ("rank", "local_rank", "world_size"):

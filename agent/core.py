@@ -44,14 +44,17 @@ _DTYPE_KEYS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
     """Tokens in one forward call's inputs: ``(tokens, seq_len or None)``.
 
-    The input is ``input_ids`` / ``inputs_embeds`` if passed by keyword, else
-    the first tensor argument. Integer tensors (token ids) of shape (B, T) give
-    B·T; float tensors of shape (B, T, C) give B·T; any other shape counts its
-    first dimension (samples, e.g. images). Shape reads only: no device sync.
+    The input is ``input_ids`` / ``inputs_embeds`` if passed by keyword or inside a
+    dict passed as an argument (``model(batch)`` with ``{"input_ids": …}``, a Hugging
+    Face ``BatchEncoding``), else the first tensor argument. Integer tensors (token
+    ids) of shape (B, T) give B·T; float tensors of shape (B, T, C) give B·T; any
+    other shape counts its first dimension (samples, e.g. images). Shape reads only:
+    no device sync.
     """
     t = None
+    maps = [kwargs] + [a for a in args if isinstance(a, Mapping)]
     for key in ("input_ids", "inputs_embeds", "idx", "tokens", "x"):
-        v = kwargs.get(key)
+        v = next((m.get(key) for m in maps if isinstance(m.get(key), torch.Tensor)), None)
         if isinstance(v, torch.Tensor):
             t = v
             break
@@ -149,7 +152,23 @@ class Agent:
 
         self.exporter = Exporter(self.run_info)
         self.registry = self.exporter.registry
+        self._sd_target = None
+        self.nvml = None
+        self.profiler = None
+        self.alerts = None
+        self._thread: Optional[threading.Thread] = None
+        self.timeline = Timeline(None)
+        try:
+            self._start(model, optimizer)
+        except BaseException:
+            self._abort_start()  # nothing the failed start-up began may outlive it: port, threads, hooks
+            raise
+
+    def _start(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Everything after the exporter object exists; on any exception ``__init__`` undoes it."""
+        cfg = self.config
         self.errors.listeners.append(self.exporter.count_error)
+        self.exporter.on_error = self.errors.count  # a collector failing at scrape time is counted, once logged
         self.exporter_url = ""
         if cfg.exporter:
             try:
@@ -158,17 +177,17 @@ class Agent:
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
-        self._sd_target = None
         if cfg.file_sd_dir and self.exporter_url:
             from .distributed import register_agent
 
             self._sd_target = register_agent(self, cfg.file_sd_dir)  # counts its own failures
-        self.timeline = Timeline(cfg.timeline)
+        try:
+            self.timeline = Timeline(cfg.timeline)
+        except OSError as exc:  # e.g. the timeline's directory is not writable
+            raise ConfigError(f"timeline: cannot open {cfg.timeline!r} for appending ({type(exc).__name__}: "
+                              f"{exc.strerror or exc}); expected a writable file path or null") from None
         self.clock = StepClock(self.device)
 
-        self.nvml = None
-        self.profiler = None
-        self.alerts = None
         self._start_nvml()  # first: its PCI device id identifies the GPU in the peak table
         # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
         self._resolve_gpu_peaks()
@@ -177,7 +196,7 @@ class Agent:
         self._start_profiler()
 
         self._install_hooks(model, optimizer)
-        self.timeline.write(to_record("run", self.run_info))
+        self._write(to_record("run", self.run_info))
         self._run_info_dirty = False
         self._last_gpu_write = 0.0
         self._acc = _ReportSums()
@@ -186,6 +205,33 @@ class Agent:
         _live_agents.add(self)
         if self.exporter_url:
             log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)
+
+    def _abort_start(self) -> None:
+        """Undo a start-up that raised: remove hooks, stop threads and the HTTP server. Never raises."""
+        self._closed = True
+        for h in self._handles:
+            with self.errors.guard("close"):
+                h.remove()
+        self._handles.clear()
+        self._stop.set()
+        for part in ("profiler", "nvml", "alerts"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                with self.errors.guard("close"):
+                    obj.close()
+        with self.errors.guard("close"):
+            self.exporter.close()
+        if self._sd_target is not None:
+            with self.errors.guard("close"):
+                self._sd_target.remove()
+        with self.errors.guard("close"):
+            self.timeline.close()
+        _live_agents.discard(self)
+
+    def _write(self, record: Dict[str, Any]) -> None:
+        """Append one timeline record; a failing disk is counted (``timeline``) and nothing else stops."""
+        with self.errors.guard("timeline"):
+            self.timeline.write(record)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -264,7 +310,14 @@ class Agent:
                 return
             if cfg.calibrate:
                 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self._dtype_key or "", torch.float32)
-                self._set_peak(calibrate.calibrate_matmul(self.device, dtype), f"calibrated ({_dkey(dtype)} matmul)")
+                measure = lambda: calibrate.calibrate_matmul(self.device, dtype)  # noqa: E731
+                if cfg.world_size > 1 and self.device.type == "cpu":
+                    # CPU ranks of one job share one measurement (they would compete for the cores otherwise)
+                    from .calib_cache import shared_value
+
+                    measure = (lambda m=measure: shared_value(
+                        f"peak|{cfg.run}|{socket.gethostname()}|{self.device}|{_dkey(dtype)}", m))
+                self._set_peak(measure(), f"calibrated ({_dkey(dtype)} matmul)")
                 return
             if self.device.type != "cuda":
                 if not self._peak_warned:
@@ -314,11 +367,12 @@ class Agent:
 
             alerts_cfg = None if self.config.alerts in (None, True) else self.config.alerts
             self.alerts = AlertEngine.from_config(alerts_cfg, run_info=self.run_info, registry=self.registry,
-                                                  on_event=self.timeline.write, on_error=self.errors.count)
+                                                  on_event=self._write, on_error=self.errors.count)
             self.alerts.start()
         except (ValueError, TypeError) as exc:
             if type(exc).__name__ == "AlertConfigError":
-                raise  # bad alert configuration fails fast, like any other config error
+                # bad alert configuration fails fast, like any other config error (one exception type to catch)
+                raise ConfigError(f"alerts: {exc}") from None
             self.errors.count("alerts", exc)
         except Exception as exc:  # noqa: BLE001
             self.errors.count("alerts", exc)
@@ -335,6 +389,8 @@ class Agent:
                 every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,
                 active_steps=self.config.profile_active_steps, device=self.device, peaks=self.gpu_peaks,
                 top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
+                shared_key=(f"window|{self.config.run}|{socket.gethostname()}"
+                            if self.config.world_size > 1 and self.device.type == "cpu" else None),
             )
         except Exception as exc:  # noqa: BLE001
             self.errors.count("profiler", exc)
@@ -350,8 +406,11 @@ class Agent:
     # ------------------------------------------------------------ training thread
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
-            if not torch.is_grad_enabled():
-                return None  # evaluation forward: not training tokens
+            if not torch.is_grad_enabled() or not module.training:
+                # Training tokens are those of forwards with autograd on and the model in train mode;
+                # a metric pass in model.eval() (with or without no_grad) is not training. A model trained
+                # in eval mode passes its tokens with step(tokens=...) or tokens_per_step.
+                return None
             if self.config.tokens_per_step is None:
                 n, seq = count_tokens(args, kwargs)
                 self._pending_tokens += n
@@ -484,20 +543,24 @@ class Agent:
         self._tick(final=True)
 
     def _tick(self, final: bool) -> None:
-        try:
-            if self._run_info_dirty:  # dtype / peak settled after start: a later "run" record supersedes
-                self._run_info_dirty = False
-                self.timeline.write(to_record("run", self.run_info))
-            for iv in self.clock.poll():
+        """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
+        broken exporter is counted under its component while steps are still counted and alerts still fed."""
+        if self._run_info_dirty:  # dtype / peak settled after start: a later "run" record supersedes
+            self._run_info_dirty = False
+            self._write(to_record("run", self.run_info))
+        intervals = []
+        with self.errors.guard("clock"):
+            intervals = self.clock.poll()
+        for iv in intervals:
+            with self.errors.guard("agent"):
                 self._absorb(iv)
                 if self._acc.steps >= self.config.report_every_steps:
                     self._report()  # one measurement per report_every_steps, however many steps one poll finds
+        with self.errors.guard("agent"):
             acc = self._acc
             due = acc.steps > 0 and time.monotonic() - acc.start >= 10.0  # slow steps: at least every 10 s
             if due or (final and acc.steps > 0):
                 self._report()
-        except Exception as exc:  # noqa: BLE001
-            self.errors.count("agent", exc)
 
     def _absorb(self, iv: Interval) -> None:
         acc = self._acc
@@ -509,7 +572,8 @@ class Agent:
             acc.timed_steps += iv.steps
             acc.timed_tokens += iv.tokens
         acc.last = iv
-        self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
+        with self.errors.guard("exporter"):
+            self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
 
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
@@ -553,6 +617,7 @@ class Agent:
             mfu=(mfs / peak) if (peak and model_f) else None,
             hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,
             loss=loss if (loss is None or math.isfinite(loss)) else None,
+            tokens_per_step=tokens_per_step,
         )
         if m.mfu is not None and m.mfu > 1.0 and not self._mfu_warned:
             self._mfu_warned = True
@@ -560,26 +625,29 @@ class Agent:
                         "device — a calibration taken while the machine was busy, or the wrong dtype; pass "
                         "peak_flops=<FLOP/s> for a trustworthy MFU", m.mfu * 100, peak, self.run_info.peak_source)
         self.latest = m
-        self.exporter.collector.update(step=m)
-        self.timeline.write(to_record("step", m))
+        with self.errors.guard("exporter"):
+            self.exporter.collector.update(step=m)
+        self._write(to_record("step", m))
         if self.alerts is not None:
             with self.errors.guard("alerts"):
                 self.alerts.observe_step(m)
 
     def _on_gpu_sample(self, sample: GpuHealth) -> None:
-        self.exporter.collector.update(gpu=sample)
+        with self.errors.guard("exporter"):
+            self.exporter.collector.update(gpu=sample)
         if self.alerts is not None:
             with self.errors.guard("alerts"):
                 self.alerts.observe_gpu(sample)
         if sample.timestamp - self._last_gpu_write >= 10.0:
             self._last_gpu_write = sample.timestamp
-            self.timeline.write(to_record("gpu", sample))
+            self._write(to_record("gpu", sample))
 
     def _on_window(self, window: WindowMeasurement) -> None:
         self.latest_window = window
-        self.exporter.collector.update(window=window)
-        self.exporter.count_window("ok")
-        self.timeline.write(to_record("window", window))
+        with self.errors.guard("exporter"):
+            self.exporter.collector.update(window=window)
+            self.exporter.count_window("ok")
+        self._write(to_record("window", window))
         if self.alerts is not None:
             with self.errors.guard("alerts"):
                 self.alerts.observe_window(window)
@@ -607,7 +675,8 @@ class Agent:
             with self.errors.guard("close"):
                 torch.cuda.synchronize(self.device)
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
         if self.profiler is not None:
             with self.errors.guard("close"):
                 self.profiler.close(wait_seconds=timeout)
@@ -621,8 +690,10 @@ class Agent:
         with self.errors.guard("close"):
             self.exporter.close()
         if self._sd_target is not None:
-            self._sd_target.remove()
-        self.timeline.close()
+            with self.errors.guard("close"):
+                self._sd_target.remove()
+        with self.errors.guard("timeline"):
+            self.timeline.close()
         _live_agents.discard(self)
 
     def __enter__(self) -> "Agent":

@@ -159,6 +159,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     except ValueError as exc:
         raise DemoError(str(exc)) from None
     con = Console(quiet=a.quiet or rank != 0, highlight=False)
+    if a.quiet:
+        # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError as exc:
@@ -218,16 +221,15 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         a.timeline = str(stem.with_name(f"{stem.stem}.rank{rank}{stem.suffix}"))
         overrides["timeline"] = a.timeline
         cfg.timeline = a.timeline
-    if a.timeline:
+    if a.timeline:  # appended to, as every timeline (the report shows the file's last run)
         Path(a.timeline).parent.mkdir(parents=True, exist_ok=True)
-        if Path(a.timeline).exists():
-            Path(a.timeline).unlink()  # one run per timeline file
     con.print(f"[bold]mfuwatch demo[/]: {preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, "
               f"{shape.batch}x{shape.seq} tokens x {a.grad_accum} micro-batches per step, device {device}")
     losses: List[float] = []
     mfus: List[float] = []
     tps: List[float] = []
     t0 = time.time()
+    interrupted = False
     with Agent(fwd, opt, config=cfg) as agent:  # hooks on what the loop calls (DDP / compiled wrapper)
         con.print(f"exporter: {agent.exporter_url or '(off)'}")
         con.print(f"peak: {agent.run_info.peak_flops_per_second or 0:.3g} FLOP/s ({agent.run_info.peak_source or 'unknown'})")
@@ -241,6 +243,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     logits = fwd(x)
                     loss = F.cross_entropy(logits.float().view(-1, shape.vocab), y.reshape(-1)) / a.grad_accum
                 loss.backward()
+            agent.record_loss(loss.detach() * a.grad_accum)  # the timeline's loss, read off the training thread
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -262,6 +265,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         except KeyboardInterrupt:  # Ctrl-C: stop training, still flush, summarise and write the report
             con.print(f"[yellow]interrupted at step {step}: finishing the summary[/]")
             a.steps = max(step - 1, 0)
+            interrupted = True
         # flush: the last measurement, and the last profiler window if its analysis is still running
         agent.close(timeout=30.0)
     elapsed = time.time() - t0
@@ -277,6 +281,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "agent_errors": agent.errors.snapshot(),
         "last_window": None,
         "patched": getattr(patch_report, "swapped", None) if patch_report is not None else None,
+        "interrupted": interrupted,
     }
     w = agent.latest_window
     if w is not None:
@@ -321,7 +326,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``mfuwatch demo``. Returns 0 when the loss fell, 1 otherwise, 2 for a usage error."""
+    """Entry point of ``mfuwatch demo``. Returns 0 when the loss fell (or, with a single loss reading,
+    is finite), 1 otherwise (saying why), 2 for a usage error, 130 when interrupted (Ctrl-C)."""
     from mfuwatch.alerts import AlertConfigError
 
     from .config import ConfigError
@@ -331,5 +337,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, AlertConfigError, DemoError) as exc:  # bad configuration or arguments: one line, no traceback
         print(f"mfuwatch demo: {exc}", file=sys.stderr)
         return 2
-    ok = s["final_loss"] is not None and s["initial_loss"] is not None and s["final_loss"] < s["initial_loss"]
-    return 0 if ok and math.isfinite(s["final_loss"]) else 1
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, closing)
+        print("mfuwatch demo: interrupted", file=sys.stderr)
+        return 130
+    if s.get("interrupted"):
+        return 130  # 128 + SIGINT, as a shell reports a job stopped by Ctrl-C
+    first, last = s["initial_loss"], s["final_loss"]
+    if first is None or last is None or not math.isfinite(last):
+        print(f"mfuwatch demo: no finite loss was read (final loss {last})", file=sys.stderr)
+        return 1
+    if s["steps"] <= 1:
+        return 0  # one step: one loss reading, nothing to compare
+    if not last < first:
+        print(f"mfuwatch demo: the loss did not fall ({first:.4f} -> {last:.4f})", file=sys.stderr)
+        return 1
+    return 0

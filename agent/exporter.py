@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
@@ -157,6 +157,57 @@ class MeasurementCollector(Collector):
             yield c
 
 
+class GuardedRegistry:
+    """What the HTTP server scrapes: ``registry``'s collectors, each under its own guard.
+
+    prometheus-client's exposition calls ``registry.collect()``, so one collector
+    that raises turns every scrape into an HTTP 500 with a traceback. Here a
+    failing collector is skipped for that scrape and reported to ``on_error``
+    (the agent counts it as ``agent_errors_total{component="collector"}`` and logs
+    it once); the other metrics are still served.
+    """
+
+    def __init__(self, registry: CollectorRegistry, on_error: Optional[Callable[[str, BaseException], None]]):
+        self.registry = registry
+        self.on_error = on_error
+
+    def _collectors(self) -> list:
+        lock = getattr(self.registry, "_lock", None)
+        names = getattr(self.registry, "_collector_to_names", None)
+        if lock is None or names is None:  # another prometheus-client layout: one guard for the whole scrape
+            return [self.registry]
+        with lock:
+            return list(names)
+
+    def collect(self) -> Iterable[Any]:
+        for c in self._collectors():
+            try:
+                metrics = list(c.collect())
+            except Exception as exc:  # noqa: BLE001 - one broken collector must not fail the scrape
+                if self.on_error is not None:
+                    try:
+                        self.on_error("collector", exc)
+                    except Exception:  # noqa: BLE001
+                        pass
+                continue
+            yield from metrics
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        """The ``?name[]=`` filter of the exposition handler."""
+        names = set(names)
+        outer = self
+
+        class _Restricted:
+            def collect(self) -> Iterable[Any]:
+                for m in outer.collect():
+                    samples = [s for s in m.samples if s.name in names]
+                    if samples:
+                        m.samples = samples
+                        yield m
+
+        return _Restricted()
+
+
 class Exporter:
     """Owns the registry, the counters/histogram and the HTTP server of one agent.
 
@@ -185,9 +236,15 @@ class Exporter:
         self._server = None
         self._thread = None
         self.url = ""
+        #: Told ``("collector", exc)`` of a collector that failed during a scrape (the agent's error counter).
+        self.on_error: Optional[Callable[[str, BaseException], None]] = None
         # Touch the label sets so the series exist (at 0) from the first scrape.
         self.steps.labels(*self._base)
         self.tokens.labels(*self._base)
+
+    def _on_error(self, component: str, exc: BaseException) -> None:
+        if self.on_error is not None:
+            self.on_error(component, exc)
 
     def count_error(self, component: str) -> None:
         self.errors.labels(*self._base, component).inc()
@@ -214,7 +271,8 @@ class Exporter:
         candidates = [0] if port == 0 else range(port, min(port + tries, 65536))
         for p in candidates:
             try:
-                result = start_http_server(p, addr=bind, registry=self.registry, certfile=certfile, keyfile=keyfile)
+                result = start_http_server(p, addr=bind, registry=GuardedRegistry(self.registry, self._on_error),
+                                           certfile=certfile, keyfile=keyfile)
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                     raise

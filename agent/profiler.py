@@ -8,6 +8,16 @@ mfuwatch.agent.analysis.analyze --json`` in a child process (nice 10 next to a G
 CPU training; one BLAS thread), so parsing never holds the training loop's GIL. The child's
 :class:`WindowMeasurement` reaches ``on_window`` from a waiter thread.
 
+Cadence and analyses in flight: a window starts on its cadence even while the previous
+window's analysis still runs. At most one analysis runs at a time and at most one finished
+trace waits for it; a window due while one is already waiting is not recorded (no profiling
+overhead for a result that would be dropped) and is counted (``skipped_busy``). So a slow
+analysis delays results by at most one window and never stretches the cadence.
+
+Expected gains are fractions of the window's *own* step time (the mean interval of its
+active steps, profiler overhead included), the time the op durations in the trace were
+measured against; the step time measured outside the window would be shorter and inflate them.
+
 Guards (each counted in :attr:`windows` and reported through ``on_error`` or the log once):
 another profiler active ⇒ the window is skipped; a trace over ``max_trace_bytes`` is not
 analysed and later windows record half as many steps; with CUDA >= 12.6 ``TEARDOWN_CUPTI=1`` is
@@ -64,8 +74,10 @@ class ProfilerSampler:
         on_error: ``on_error("profiler", exc)`` for every failure (never raised to the caller).
         max_trace_bytes: larger exported traces are not analysed (default 1 GiB).
         analyze_timeout_seconds: the child is killed after this long (default 300 s).
+        shared_key: when set (CPU ranks of one job), the CPU calibration is shared through
+            :func:`mfuwatch.agent.calib_cache.shared_value` under this key.
         on_outcome: optional ``on_outcome(outcome)`` per window, outcome one of "ok", "error",
-            "skipped_other_profiler", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
+            "skipped_other_profiler", "skipped_busy", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
             the same counts are kept in :attr:`windows`.
 
     Raises:
@@ -77,7 +89,7 @@ class ProfilerSampler:
                  top_k: int = 8, on_window: Callable[[WindowMeasurement], None],
                  on_error: Callable[[str, BaseException], None], max_trace_bytes: int = 1 << 30,
                  analyze_timeout_seconds: float = 300.0,
-                 on_outcome: Optional[Callable[[str], None]] = None) -> None:
+                 on_outcome: Optional[Callable[[str], None]] = None, shared_key: Optional[str] = None) -> None:
         if not every_steps and not every_seconds:
             raise ValueError("profile_every: set every_steps or every_seconds (e.g. '500 steps' or '300s')")
         if (every_steps is not None and every_steps <= 0) or (every_seconds is not None and every_seconds <= 0):
@@ -112,12 +124,15 @@ class ProfilerSampler:
         self._watch_at: Optional[int] = None
         self._watch_hits = 0
         self._busy = False  # a child analysis is running
+        self._pending: Optional[tuple] = None  # one exported trace waiting for the running analysis
+        self._marks: list = []
         self._closing = False  # set by close(): results of a terminated child are dropped
         self._stopping = False  # set by close(): no new windows
         self._said_skip = False
         self._child: Optional[subprocess.Popen] = None
         self._waiter: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._shared_key = shared_key
         if self.cuda and "TEARDOWN_CUPTI" not in os.environ and _cuda_at_least(12, 6):
             os.environ["TEARDOWN_CUPTI"] = "1"  # detach CUPTI after each window (pytorch/pytorch#144455)
 
@@ -137,10 +152,14 @@ class ProfilerSampler:
             return
         if self._watch_at is not None and self._n >= self._watch_at:
             self._check_slowdown()
-        if self._busy or self.disabled or self._stopping:
+        if self.disabled or self._stopping:
             return
         if (self._next_step is not None and step >= self._next_step) or (
                 self._next_time is not None and time.monotonic() >= self._next_time):
+            if self._pending is not None:  # one analysis runs and one trace waits: recording more is wasted
+                self._schedule_next(step)
+                self._count("skipped_busy")
+                return
             self._start(step, step_time_seconds)
 
     def _schedule_next(self, step: int) -> None:
@@ -172,6 +191,7 @@ class ProfilerSampler:
             self._window_step, self._prof_steps = step, 0
             try:
                 prof.start()
+                self._marks = [time.perf_counter()]  # step boundaries of this window (for its own step time)
             except RuntimeError as exc:  # Kineto refuses a second session: the user's profiler won the race
                 if "already" in str(exc).lower() or "enabled" in str(exc).lower():
                     self._skip_other()
@@ -199,6 +219,12 @@ class ProfilerSampler:
     def _advance(self, step: int) -> None:
         prof = self._prof
         self._window_step = step  # the window's measurement is stamped with its last step
+        self._marks.append(time.perf_counter())
+        w, n = self.warmup_steps, self.active_steps
+        if len(self._marks) == w + n + 1:  # this boundary ends the last active step: the window's own step time
+            own = (self._marks[w + n] - self._marks[w]) / n
+            if own > 0:
+                self._step_time = own
         try:
             prof.step()  # the last call stops the trace and runs _ready() on this thread
             self._prof_steps += 1
@@ -240,17 +266,33 @@ class ProfilerSampler:
                    "--device", "cuda" if self.cuda else "cpu", "--peaks", peaks_path]
             if self._step_time:
                 cmd += ["--step-time", repr(float(self._step_time))]
-            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env, close_fds=True)
+            job = (cmd, out, workdir, self._window_step)
             with self._lock:
-                self._busy, self._child = True, child
-            self._waiter = threading.Thread(target=self._wait_child, args=(child, out, workdir, self._window_step),
-                                            name="mfuwatch-window", daemon=True)
-            self._waiter.start()
+                if self._busy:
+                    if self._pending is None:
+                        self._pending, job = job, None  # started by the waiter when the running analysis ends
+                    else:
+                        self._count("skipped_busy")
+                        shutil.rmtree(workdir, ignore_errors=True)
+                        return
+            if job is not None:
+                self._launch(job)
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(workdir, ignore_errors=True)
             self._fail(exc)
+
+    def _launch(self, job: tuple) -> None:
+        """Start the child analysis of one exported trace and its waiter thread."""
+        cmd, out, workdir, step = job
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        # its own session: a Ctrl-C in the terminal goes to the training process, not to the analysis child
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, env=env, close_fds=True, start_new_session=True)
+        with self._lock:
+            self._busy, self._child = True, child
+        self._waiter = threading.Thread(target=self._wait_child, args=(child, out, workdir, step),
+                                        name="mfuwatch-window", daemon=True)
+        self._waiter.start()
 
     # ------------------------------------------------------------------ waiter thread
     def _wait_child(self, child: subprocess.Popen, out: str, workdir: str, step: int) -> None:
@@ -277,6 +319,16 @@ class ProfilerSampler:
             shutil.rmtree(workdir, ignore_errors=True)
             with self._lock:
                 self._busy, self._child = False, None
+                job, self._pending = self._pending, None
+            if job is not None:
+                if self._closing or self._stopping:
+                    shutil.rmtree(job[2], ignore_errors=True)
+                else:
+                    try:
+                        self._launch(job)
+                    except Exception as exc:  # noqa: BLE001
+                        shutil.rmtree(job[2], ignore_errors=True)
+                        self._fail(exc)
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, exc: BaseException) -> None:
@@ -334,8 +386,16 @@ class ProfilerSampler:
                          source="calibrated")
         global _CPU_PEAKS
         if _CPU_PEAKS is None:
-            bw = calibrate_bandwidth(self.device)
-            _CPU_PEAKS = Peaks(peak_flops={"fp32": calibrate_matmul(self.device, "fp32")},
+            measure_bw = lambda: calibrate_bandwidth(self.device)  # noqa: E731
+            measure_mm = lambda: calibrate_matmul(self.device, "fp32")  # noqa: E731
+            if self._shared_key:  # the CPU ranks of one job classify windows against one calibration
+                from .calib_cache import shared_value
+
+                bw = shared_value(self._shared_key + "|bandwidth", measure_bw)
+                mm = shared_value(self._shared_key + "|fp32 matmul", measure_mm)
+            else:
+                bw, mm = measure_bw(), measure_mm()
+            _CPU_PEAKS = Peaks(peak_flops={"fp32": mm},
                                memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
                                name="cpu", source="calibrated")
         return _CPU_PEAKS

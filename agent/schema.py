@@ -149,7 +149,8 @@ class StepMeasurement:
     model_flops_per_second: float
     mfu: Optional[float] = None
     hfu: Optional[float] = None
-    loss: Optional[float] = None
+    loss: Optional[float] = None  # the last step's loss when known (record_loss / step(loss=)), else None
+    tokens_per_step: Optional[float] = None  # mean tokens of one optimizer step: per step, like model_flops
 
 
 @dataclass

@@ -7,7 +7,11 @@
     mfuwatch alerts render-prometheus [--config FILE] [--output FILE]
     mfuwatch alerts test-notify [--config FILE] [--run NAME]   # send a test alert, firing then resolved
 
-``FILE`` is an alert config, or an agent config whose ``alerts:`` key holds one.
+``FILE`` is an alert config, or an agent config whose ``alerts:`` key holds one (an agent
+config without that key, such as the README's ``bind: …`` file, means the built-in rules).
+Without ``--config`` the file named by ``$MFUWATCH_CONFIG`` is read, as the agent does.
+``check`` also reads every notifier's secret (never printing it), so an unset
+``url_env`` variable fails here rather than when the agent starts.
 Exit status: 0 on success, 2 for an invalid config, 1 when a test notification
 could not be delivered. Starts fast: imports neither torch nor the agent.
 """
@@ -47,7 +51,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``mfuwatch alerts``; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        cfg = load_config(args.config)
+        source = _source(args.config)
+        cfg = load_config(source)
         if args.command == "check":
             return _check(cfg)
         if args.command == "show-config":
@@ -72,8 +77,51 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
 
+def _source(path: Optional[str]):
+    """The alert config source for ``--config`` (else ``$MFUWATCH_CONFIG``); ``None`` = the built-ins.
+
+    An agent config (its keys are agent settings) without an ``alerts:`` key yields ``None``.
+    """
+    import os
+    from pathlib import Path
+
+    path = path or os.environ.get("MFUWATCH_CONFIG") or None
+    if path is None:
+        return None
+    try:
+        doc = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return path  # load_config reports it with the field and file
+    if isinstance(doc, dict) and "alerts" not in doc and doc:
+        from .config import TOP_KEYS
+
+        agent_keys = _agent_setting_names()
+        if not set(doc) & set(TOP_KEYS) and set(doc) <= agent_keys:
+            print(f"{path}: an agent config without an `alerts:` key: the built-in rules apply", file=sys.stderr)
+            return None
+    return path
+
+
+def _agent_setting_names() -> set:
+    """The agent's setting names (dataclass fields of ``AgentConfig``; importing it loads no torch)."""
+    import dataclasses
+
+    from mfuwatch.agent.config import AgentConfig
+
+    return {f.name for f in dataclasses.fields(AgentConfig)}
+
+
 def _check(cfg) -> int:
+    from .notifiers import build_notifier
     from .prometheus import rule_expr
+    from .secrets import SecretError
+
+    for n in cfg.notifiers:  # read every secret now, as the agent will at start (the value is never printed)
+        try:
+            notifier = build_notifier(n)
+            notifier.close()
+        except (SecretError, ValueError) as exc:
+            raise AlertConfigError(str(exc)) from None
 
     print(f"{'rule':<22} {'severity':<9} {'for':>6} {'cooldown':>8}  path        expression")
     for r in cfg.rules:

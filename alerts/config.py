@@ -31,6 +31,7 @@ is safe to print.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -39,8 +40,8 @@ import yaml
 
 from .matchers import InhibitRule, Silence, parse_inhibit_rules, parse_silences
 from .rules import SEVERITIES, Rule, load_default_document, merge_rules
-from .validation import (AlertConfigError, as_bool, as_number, as_str_list, check_keys, format_duration,
-                         parse_duration, require_mapping)
+from .validation import (AlertConfigError, as_bool, as_number, as_str_list, check_keys, check_url,
+                         format_duration, parse_duration, require_mapping)
 
 __all__ = ["AlertConfig", "NotifierConfig", "AlertConfigError", "load_config", "TOP_KEYS", "NOTIFIER_TYPES"]
 
@@ -59,9 +60,11 @@ class NotifierConfig:
     """One notifier. ``url_env``/``url_file`` (and ``token_*``) say where the secret is, never what it is.
 
     HTTP timing: each request times out after ``timeout_seconds``; connection
-    errors, timeouts, 408, 429 and 5xx are retried up to ``max_retries`` times
-    after ``backoff_seconds * 2**attempt`` (capped at ``max_backoff_seconds``, with
-    jitter), or after the ``Retry-After`` the receiver asks for (capped likewise).
+    errors, timeouts, 408, 429 and 5xx are retried after ``backoff_seconds * 2**attempt``
+    (capped at ``max_backoff_seconds``, with jitter), or after the ``Retry-After`` the
+    receiver asks for (capped likewise), until delivered or superseded by a newer
+    state of the same group (``max_retries: None``, the default, as Alertmanager), or
+    at most ``max_retries`` times when it is set.
     """
 
     type: str
@@ -71,7 +74,7 @@ class NotifierConfig:
     token_env: Optional[str] = None
     token_file: Optional[str] = None
     timeout_seconds: float = 5.0
-    max_retries: int = 5
+    max_retries: Optional[int] = None  # None: retry until delivered or superseded
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
     queue_size: int = 100
@@ -85,7 +88,8 @@ class NotifierConfig:
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.type != "console":
-            d.update(timeout=format_duration(self.timeout_seconds), max_retries=self.max_retries,
+            d.update(timeout=format_duration(self.timeout_seconds),
+                     max_retries="unlimited" if self.max_retries is None else self.max_retries,
                      backoff=format_duration(self.backoff_seconds),
                      max_backoff=format_duration(self.max_backoff_seconds))
         else:
@@ -180,17 +184,26 @@ def load_config(source: ConfigSource = None) -> AlertConfig:
     runbook_base_url = doc["runbook_base_url"]
     if not isinstance(runbook_base_url, str) or not runbook_base_url:
         raise AlertConfigError("runbook_base_url: expected a URL (the folder that holds <alertname>.md)")
+    check_url(runbook_base_url, "runbook_base_url")
     grafana_url = doc["grafana_url"] or ""
     if not isinstance(grafana_url, str):
         raise AlertConfigError("grafana_url: expected a URL such as http://localhost:3000, or '' for no links")
+    if grafana_url:
+        check_url(grafana_url, "grafana_url")
     rules = merge_rules(defaults["rules"], user.get("rules") or {}, use_defaults=use_defaults,
                         runbook_base_url=runbook_base_url)
     queue_size = as_number(doc["queue_size"], "queue_size", minimum=1, integer=True)
     evaluation = parse_duration(doc["evaluation_interval"], "evaluation_interval")
     watchdog = parse_duration(doc["watchdog_interval"], "watchdog_interval")
-    for key, v in (("evaluation_interval", evaluation), ("watchdog_interval", watchdog)):
-        if v <= 0:
-            raise AlertConfigError(f"{key}: must be > 0")
+    for key, v, floor in (("evaluation_interval", evaluation, MIN_EVALUATION_INTERVAL),
+                          ("watchdog_interval", watchdog, MIN_WATCHDOG_INTERVAL)):
+        if v < floor:
+            raise AlertConfigError(f"{key}: must be at least {format_duration(floor)} (each evaluation takes the "
+                                   f"GIL from the training loop), got {doc[key]!r}")
+    repeat = parse_duration(doc["repeat_interval"], "repeat_interval")
+    if repeat < MIN_REPEAT_INTERVAL:
+        raise AlertConfigError(f"repeat_interval: must be at least {format_duration(MIN_REPEAT_INTERVAL)} (0 would "
+                               f"re-send every firing group at every evaluation), got {doc['repeat_interval']!r}")
     notifiers_doc = doc["notifiers"] if doc["notifiers"] is not None else []
     if not isinstance(notifiers_doc, list):
         raise AlertConfigError("notifiers: expected a list of notifiers, e.g. [{type: slack, url_env: ...}]")
@@ -201,13 +214,27 @@ def load_config(source: ConfigSource = None) -> AlertConfig:
             raise AlertConfigError(f"notifiers: two notifiers are called {n!r}; give each a distinct 'name'")
     return AlertConfig(
         evaluation_interval_seconds=evaluation, watchdog_interval_seconds=watchdog,
-        repeat_interval_seconds=parse_duration(doc["repeat_interval"], "repeat_interval"),
+        repeat_interval_seconds=repeat,
         group_by=as_str_list(doc["group_by"], "group_by"),
         notify_from_all_ranks=as_bool(doc["notify_from_all_ranks"], "notify_from_all_ranks"),
         queue_size=queue_size, runbook_base_url=runbook_base_url, grafana_url=grafana_url, rules=rules,
         notifiers=notifiers, inhibit_rules=parse_inhibit_rules(doc["inhibit_rules"]),
         silences=parse_silences(doc["silences"]),
     )
+
+
+#: Floors (seconds): below them the engine would spin (evaluation), or re-send a group at every evaluation.
+MIN_EVALUATION_INTERVAL = 0.1
+MIN_WATCHDOG_INTERVAL = 0.05
+MIN_REPEAT_INTERVAL = 60.0
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _max_retries(value: Any, where: str) -> Optional[int]:
+    """``None``/``unlimited`` (retry until delivered or superseded) or an integer >= 0."""
+    if value is None or value == "unlimited":
+        return None
+    return as_number(value, where, minimum=0, integer=True)
 
 
 def parse_notifier(spec: Any, where: str, default_queue_size: int) -> NotifierConfig:
@@ -241,6 +268,12 @@ def parse_notifier(spec: Any, where: str, default_queue_size: int) -> NotifierCo
     for k in ("url_env", "url_file", "token_env", "token_file"):
         if k in spec and (not isinstance(spec[k], str) or not spec[k]):
             raise AlertConfigError(f"{where}.{k}: expected a non-empty string")
+    for k in ("url_env", "token_env"):
+        if k in spec and not _ENV_NAME.match(spec[k]):
+            # most likely the secret itself pasted in place of the variable's name: never echo it
+            raise AlertConfigError(f"{where}.{k}: expected the NAME of an environment variable (letters, digits, "
+                                   "'_'), got something else (not shown: it may be the secret itself); put the "
+                                   f"value in the environment and write its name here")
     timeout = parse_duration(spec.get("timeout", 5.0), f"{where}.timeout")
     if timeout <= 0:
         raise AlertConfigError(f"{where}.timeout: must be > 0 (a request without a timeout can hang forever)")
@@ -251,7 +284,7 @@ def parse_notifier(spec: Any, where: str, default_queue_size: int) -> NotifierCo
         type=kind, name=name, url_env=spec.get("url_env"), url_file=spec.get("url_file"),
         token_env=spec.get("token_env"), token_file=spec.get("token_file"),
         timeout_seconds=timeout,
-        max_retries=as_number(spec.get("max_retries", 5), f"{where}.max_retries", minimum=0, integer=True),
+        max_retries=_max_retries(spec.get("max_retries"), f"{where}.max_retries"),
         backoff_seconds=parse_duration(spec.get("backoff", 0.5), f"{where}.backoff"),
         max_backoff_seconds=parse_duration(spec.get("max_backoff", 30.0), f"{where}.max_backoff"),
         queue_size=as_number(spec.get("queue_size", default_queue_size), f"{where}.queue_size", minimum=1,

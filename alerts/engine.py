@@ -102,6 +102,7 @@ class AlertEngine:
         self._errors = 0
         self._logged: set = set()
         self._stop = threading.Event()
+        self._window_arrived = threading.Event()  # wakes the evaluation thread when a profiler window arrives
         self._threads: List[threading.Thread] = []
         self._closed = False
         rules = [r for r in config.rules if r.enabled and r.in_process]
@@ -168,19 +169,61 @@ class AlertEngine:
                 self._threads.append(t)
         return self
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop evaluating and deliver queued notifications for at most ``timeout`` seconds. Never hangs."""
+    def close(self, timeout: float = 2.0) -> List[str]:
+        """End the run's alerts, deliver what is queued for at most ``timeout`` seconds, stop. Never hangs.
+
+        Every alert still firing is resolved with the annotation
+        ``resolved_reason: "run ended"`` (a timeline record and, where its firing was
+        notified, a resolved notification), so incidents of a finished job close.
+        Returns one line per notification that could not be delivered in time
+        (also counted ``dropped`` and logged once per notifier); empty when all
+        were delivered.
+        """
         if self._closed:
-            return
+            return []
         self._closed = True
         deadline = time.monotonic() + max(0.0, timeout)
         self._stop.set()
+        self._window_arrived.set()
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            self._end_run()
+        except Exception as exc:  # noqa: BLE001 - closing must never raise into the training job
+            self._error("close", exc)
         for w in self.workers:
             w.begin_close(deadline)
         for w in self.workers:
             w.close(deadline)
+        lost = [f"{w.name}: {line}" for w in self.workers for line in w.undelivered]
+        if lost:
+            log.warning("mfuwatch alerts: %d notification(s) not delivered before close: %s", len(lost),
+                        "; ".join(lost[:5]) + (" ..." if len(lost) > 5 else ""))
+        return lost
+
+    def _end_run(self) -> None:
+        """Resolve every firing alert with ``resolved_reason: run ended`` and dispatch the resolved messages."""
+        now = self._clock()
+        events: List[dict] = []
+        with self._lock:
+            for st in self._states.values():
+                if st.state == "pending":
+                    st.state, st.active_since = "inactive", None
+                elif st.state == "firing":
+                    st.state, st.resolved_at = "inactive", now
+                    st.resolved_pending = st.notified
+                    st.annotations = {**st.annotations, "resolved_reason": "run ended"}
+                    record = self._transition(st, "resolved", now)
+                    record["reason"] = "run ended"
+                    events.append(record)
+            if self.notifying and self.workers:
+                self._dispatch(now)
+        for record in events:
+            if self._on_event is not None:
+                try:
+                    self._on_event(record)
+                except Exception as exc:  # noqa: BLE001 - a broken timeline must not stop closing
+                    self._error("on_event", exc)
 
     @property
     def errors(self) -> int:
@@ -199,6 +242,7 @@ class AlertEngine:
         """Record a profiler window (memory-bound share, idle share, top ops, suggestions)."""
         try:
             self.store.observe_window(w)
+            self._window_arrived.set()  # evaluate now, not at the next interval: a short run still alerts in-run
         except Exception as exc:  # noqa: BLE001
             self._error("observe_window", exc)
 
@@ -255,7 +299,15 @@ class AlertEngine:
                     self._error("on_event", exc)
 
     def _loop(self, interval: float, rules: List[Rule]) -> None:
-        while not self._stop.wait(interval):
+        wake = self._window_arrived if rules is self._eval_rules else None
+        while True:
+            if wake is not None:
+                wake.wait(interval)
+                wake.clear()
+            else:
+                self._stop.wait(interval)
+            if self._stop.is_set():
+                return
             try:
                 self.evaluate(rules=rules)
             except Exception as exc:  # noqa: BLE001

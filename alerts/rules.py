@@ -31,7 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import yaml
 
-from .signals import DEFAULT_THROTTLE_REASONS, SIGNALS, Signal
+from .signals import DEFAULT_THROTTLE_REASONS, SIGNALS, THROTTLE_REASONS, Signal
 from .templates import Template
 from .validation import (LABEL_NAME_RE, AlertConfigError, as_bool, as_number, as_str_list, as_str_map, check_keys,
                          format_duration, parse_duration, require_mapping)
@@ -188,7 +188,8 @@ def parse_rule(name: str, spec: Mapping[str, Any], *, builtin: bool, runbook_bas
         raise AlertConfigError(f"{where}.offset: expression {expr!r} takes no offset")
     reasons: Tuple[str, ...] = ()
     if "reasons" in signal.params:
-        reasons = as_str_list(spec.get("reasons", list(DEFAULT_THROTTLE_REASONS)), f"{where}.reasons")
+        reasons = as_str_list(spec.get("reasons", list(DEFAULT_THROTTLE_REASONS)), f"{where}.reasons",
+                              choices=THROTTLE_REASONS)
         if not reasons:
             raise AlertConfigError(f"{where}.reasons: list at least one NVML clock-event reason")
     elif "reasons" in spec:

@@ -99,7 +99,7 @@ def register(value: str) -> None:
     if not value:
         return
     with _known_lock:
-        _known.add(value)
+        _known.update(url_variants(value))
         if not _filter_installed:
             for name in _HTTP_LOGGERS:
                 logging.getLogger(name).addFilter(_RedactingFilter())
@@ -109,28 +109,51 @@ def register(value: str) -> None:
 def redact(text: str) -> str:
     """``text`` with every registered secret replaced by ``<redacted>``.
 
-    A URL secret is also redacted when it appears without its scheme and host
-    (urllib3 logs only the path), so the path part is registered on its own.
+    A URL secret is registered in every spelling the HTTP stack may log
+    (:func:`url_variants`): its path without the fragment, percent-encoded or decoded,
+    its host name. So a redacted log line may also hide a harmless host name.
     """
     with _known_lock:
         known = sorted(_known, key=len, reverse=True)
     for value in known:
         if value in text:
             text = text.replace(value, REDACTED)
-        path = _url_path(value)
-        if path and path in text:
-            text = text.replace(path, REDACTED)
     return text
 
 
-def _url_path(value: str) -> str:
-    """The path-and-query of an http(s) URL if it is long enough to be the secret part, else ''."""
+def url_variants(value: str) -> Set[str]:
+    """Every spelling of URL ``value`` that the HTTP stack may log: ``value`` itself, the URL as ``requests``
+    prepares it (``%7E`` → ``~``, a space → ``%20``, IDNA host), its path and query without the
+    ``#fragment`` (urllib3 logs only that), their percent-decoded forms, the host name and ``host:port``
+    (urllib3's "Starting new connection" line; the secret may be in the host), and userinfo."""
+    import urllib.parse
+
+    out = {value}
     if "://" not in value:
-        return ""
-    rest = value.split("://", 1)[1]
-    slash = rest.find("/")
-    path = rest[slash:] if slash >= 0 else ""
-    return path if len(path) > 1 else ""
+        return out
+    forms = [value]
+    try:
+        from requests.models import PreparedRequest
+
+        p = PreparedRequest()
+        p.prepare_url(value, None)
+        forms.append(p.url)
+    except Exception:  # noqa: BLE001 - requests refuses it: the request will fail the same way
+        pass
+    for form in forms:
+        out.add(form)
+        try:
+            u = urllib.parse.urlsplit(form)
+        except ValueError:
+            continue
+        path_query = u.path + (("?" + u.query) if u.query else "")
+        for piece in (path_query, u.path, u.query, u.fragment, u.hostname or "", u.netloc.rsplit("@", 1)[-1],
+                      u.username or "", u.password or ""):
+            if len(piece) > 1:
+                out.add(piece)
+                out.add(urllib.parse.unquote(piece))
+                out.add(urllib.parse.quote(urllib.parse.unquote(piece), safe="/?=&:@"))
+    return {v for v in out if len(v) > 1 and v != "/"}
 
 
 class _RedactingFilter(logging.Filter):

@@ -27,6 +27,10 @@ from .validation import format_duration
 #: hardware slowdown). ``sw_power_cap`` is left out by default: a training GPU at its
 #: power limit is normal and would page all the time. Names are NVML's
 #: ``nvmlClocksEventReason*`` constants in snake case (NVML API reference, "Clocks Event Reasons").
+#: NVML clock-event reason names the agent reports (``nvmlClocksEventReason*``, NVML API reference,
+#: "Clock Event Reasons"); a rule's ``reasons`` must name some of these.
+THROTTLE_REASONS = ("gpu_idle", "applications_clocks_setting", "sw_power_cap", "hw_slowdown", "sync_boost",
+                    "sw_thermal_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting")
 DEFAULT_THROTTLE_REASONS = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
 
 #: MFU samples kept for the regression baseline (one per agent report; 4096 reports

@@ -22,8 +22,15 @@ __all__ = [
 #: Prometheus label-name syntax (also used for alert names and annotation keys).
 LABEL_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+#: One duration grammar for both config files (agent and alerts): Prometheus units, spelled-out units too,
+#: with optional spaces: "250ms", "1h30m", "15 seconds", "5 min", "2 hours".
+_UNIT_SECONDS = {"ms": 0.001, "msec": 0.001, "millisecond": 0.001, "milliseconds": 0.001,
+                 "s": 1.0, "sec": 1.0, "secs": 1.0, "second": 1.0, "seconds": 1.0,
+                 "m": 60.0, "min": 60.0, "mins": 60.0, "minute": 60.0, "minutes": 60.0,
+                 "h": 3600.0, "hr": 3600.0, "hrs": 3600.0, "hour": 3600.0, "hours": 3600.0,
+                 "d": 86400.0, "day": 86400.0, "days": 86400.0, "w": 604800.0, "week": 604800.0, "weeks": 604800.0}
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(" + "|".join(sorted(_UNIT_SECONDS, key=len, reverse=True))
+                          + r")(?![a-z])\s*")
 
 
 class AlertConfigError(ValueError):
@@ -54,16 +61,18 @@ def require_mapping(value: Any, where: str) -> Mapping[str, Any]:
 
 
 def parse_duration(value: Any, where: str) -> float:
-    """Seconds from a Prometheus-style duration (``"90s"``, ``"5m"``, ``"1h30m"``, ``"250ms"``) or a number.
+    """Seconds from a duration: Prometheus style (``"90s"``, ``"5m"``, ``"1h30m"``, ``"250ms"``), spelled-out
+    units (``"15 seconds"``, ``"5 min"``, ``"2 hours"``) or a number of seconds.
 
-    Raises :class:`AlertConfigError` for negative, non-finite or malformed values.
+    The one duration parser of both config files (the agent's ``profile_every`` uses it too).
+    Raises :class:`AlertConfigError` (a ``ValueError``) for negative, non-finite or malformed values.
     """
     if isinstance(value, bool):
         raise AlertConfigError(f"{where}: expected a duration such as '30s', '5m', '1h30m' or seconds, got {value!r}")
     if isinstance(value, (int, float)):
         seconds = float(value)
     elif isinstance(value, str) and value.strip():
-        text = value.strip()
+        text = value.strip().lower()
         pos, seconds = 0, 0.0
         for m in _DURATION_RE.finditer(text):
             if m.start() != pos:
@@ -76,12 +85,31 @@ def parse_duration(value: Any, where: str) -> float:
             except ValueError:
                 raise AlertConfigError(
                     f"{where}: cannot read {value!r} as a duration; use units ms, s, m, h, d, w "
-                    f"(e.g. '30s', '5m', '1h30m') or a number of seconds") from None
+                    f"(e.g. '30s', '5m', '1h30m', '15 seconds') or a number of seconds") from None
     else:
         raise AlertConfigError(f"{where}: expected a duration such as '30s', '5m', '1h30m' or seconds, got {value!r}")
     if not math.isfinite(seconds) or seconds < 0:
         raise AlertConfigError(f"{where}: a duration must be finite and >= 0, got {value!r}")
     return seconds
+
+
+def check_url(value: str, where: str, *, echo: bool = True) -> str:
+    """``value`` if it is an http(s) URL with a host and a port in 1..65535 (when given), else
+    :class:`AlertConfigError`. With ``echo=False`` (a secret) the message never contains the value."""
+    import urllib.parse
+
+    shown = f" {value!r}" if echo else ""
+    try:
+        u = urllib.parse.urlsplit(value)
+        port = u.port  # raises ValueError when out of 0..65535 or not a number
+    except ValueError as exc:
+        reason = "its port is not a number in 1..65535" if "port" in str(exc).lower() else "it is not a valid URL"
+        raise AlertConfigError(f"{where}: the URL{shown} cannot be used: {reason}") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise AlertConfigError(f"{where}: expected an http(s) URL with a host name{', got' + shown if echo else ''}")
+    if port == 0:
+        raise AlertConfigError(f"{where}: the URL{shown} cannot be used: its port is not a number in 1..65535")
+    return value
 
 
 def format_duration(seconds: float) -> str:

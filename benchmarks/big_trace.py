@@ -91,7 +91,10 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=600.0, help="trace size to generate, MB (default 600)")
     ap.add_argument("--gzip", action="store_true", help="also time the same trace gzipped")
     ap.add_argument("--keep", action="store_true", help="keep the generated trace")
+    ap.add_argument("--fixture", default=None, help="the trace to repeat (default: the shared H200 Llama trace)")
     a = ap.parse_args()
+    if a.fixture:
+        globals()["FIXTURE"] = Path(a.fixture)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / "big_trace.json"

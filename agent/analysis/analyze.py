@@ -11,8 +11,10 @@ the agent uses): the GPU named by ``--gpu``, else the trace's ``deviceProperties
 with ``--peak-flops``/``--bandwidth`` overriding the table row; ``--peaks FILE`` reads a whole
 :class:`~mfuwatch.agent.peaks.Peaks` as JSON instead (the profiler sampler passes the agent's
 peaks to its child process this way). Exit status: 0 on success, 1 when the file is not a
-readable trace (not JSON, truncated, no GPU activity) or the GPU is unknown, 2 on usage
-errors.
+readable trace (not JSON, truncated, nested deeper than any profiler trace, events of the
+wrong shape, no GPU activity), the GPU is unknown or ``--output`` cannot be written (one
+line on stderr, no traceback), 2 on usage errors (e.g. ``--steps -1``). ``--json`` never
+prints NaN or Infinity (JSON has neither): a value that is not finite is ``null``.
 
     mfuwatch analyze trace.json.gz
     mfuwatch analyze trace.json --json --steps 3 --step-time 0.0267
@@ -76,21 +78,33 @@ def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any,
     return measure(w, top_k=top_k, step_time_seconds=st, suggestions=sugg, step=step, timestamp=timestamp)
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not v > 0 or v != v or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return v
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mfuwatch analyze", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="chrome trace exported by torch.profiler (.json or .json.gz)")
     p.add_argument("--json", action="store_true", help="print one JSON WindowMeasurement record")
     p.add_argument("--output", metavar="FILE", help="write the output to FILE instead of stdout")
-    p.add_argument("--steps", type=int, help="training steps in the trace (default: ProfilerStep# or "
+    p.add_argument("--steps", type=_positive(int), help="training steps in the trace (default: ProfilerStep# or "
                                              "Optimizer.step# annotations, else 1)")
-    p.add_argument("--step-time", type=float, metavar="SECONDS",
+    p.add_argument("--step-time", type=_positive(float), metavar="SECONDS",
                    help="step time measured outside the profiler, for the gains (default: wall / steps)")
     p.add_argument("--gpu", help="GPU name for the peak table (default: the trace's deviceProperties)")
     p.add_argument("--peak-flops", action="append", default=[], metavar="DTYPE=FLOP/S",
                    help=f"dense peak FLOP/s per dtype ({', '.join(_DTYPES)}), e.g. bf16=989e12; repeatable")
-    p.add_argument("--bandwidth", type=float, metavar="BYTES/S", help="peak memory bandwidth, e.g. 4.8e12")
-    p.add_argument("--measured-bandwidth", type=float, metavar="BYTES/S",
+    p.add_argument("--bandwidth", type=_positive(float), metavar="BYTES/S", help="peak memory bandwidth, e.g. 4.8e12")
+    p.add_argument("--measured-bandwidth", type=_positive(float), metavar="BYTES/S",
                    help="calibrated bandwidth for the replacement times (default: from the window)")
     p.add_argument("--fp32-matmul", choices=("fp32", "tf32"), default="fp32",
                    help="unit fp32 matmuls ran on (tf32 when torch allowed TF32)")
@@ -98,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="cpu: a CPU-only trace, each op's self time acts as a kernel (needs --peak-flops fp32=… --bandwidth)")
     p.add_argument("--peaks", metavar="FILE", help="peaks as JSON (the fields of mfuwatch.agent.peaks.Peaks); "
                                                 "replaces --gpu, --peak-flops, --bandwidth and --fp32-matmul")
-    p.add_argument("--top-k", type=int, default=8, help="ops to list (default 8)")
+    p.add_argument("--top-k", type=_positive(int), default=8, help="ops to list (default 8)")
     p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)  # the live sampler's child
     return p
 
@@ -127,7 +141,7 @@ def _peaks_from_args(args: argparse.Namespace, device_properties: List[Dict[str,
             flops[key] = float(val)
         except ValueError:
             key = ""
-        if key not in _DTYPES or flops.get(key, 0) <= 0:
+        if key not in _DTYPES or not 0 < flops.get(key, 0) < float("inf"):
             raise ValueError(f"--peak-flops: expected DTYPE=FLOP/S with DTYPE in {', '.join(_DTYPES)}, got {item!r}")
     name = args.gpu or (device_properties[0].get("name") if device_properties else None)
     p = resolve_peaks(name if args.device == "cuda" else None, peak_flops=flops,
@@ -155,19 +169,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         wm = analyze_events(tf.events(), spec_or_peaks=peaks, steps=args.steps, step_time_seconds=args.step_time,
                             top_k=args.top_k, device_type=args.device, timestamp=os.path.getmtime(args.trace))
     except (TraceError, ValueError) as exc:
-        print(f"mfuwatch analyze: error: {exc}", file=sys.stderr)
+        print(f"mfuwatch analyze: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"mfuwatch analyze: error: {args.trace}: out of memory while indexing the trace", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - a malformed trace is a one-line error, not a traceback
+        print(f"mfuwatch analyze: error: {args.trace}: events of an unexpected shape "
+              f"({type(exc).__name__}: {_one_line(exc)})", file=sys.stderr)
         return 1
     if args.json:
         rec = to_record("window", wm)
         rec["analysis"] = {"trace": args.trace, "gpu": gpu, "peak_flops": peaks.peak_flops,
                            "memory_bandwidth_bytes_per_second": peaks.memory_bandwidth_bytes_per_second,
                            "peaks": peaks.to_dict()}
-        text = json.dumps(rec)
+        from ..timeline import _clean
+
+        text = json.dumps(_clean(rec), allow_nan=False)  # NaN/Infinity → null: strict JSON readers accept it
     else:
         text = render(wm, title=f"{args.trace} ({gpu or args.device})")
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            print(f"mfuwatch analyze: error: cannot write --output {args.output}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 1
     else:
         try:
             print(text)
@@ -175,6 +203,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         except BrokenPipeError:  # e.g. piped into `head`
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
 
 
 def render(wm: Any, title: str = "") -> str:

@@ -18,6 +18,8 @@ pointwise chains a drop-in also replaces) are alternatives, not additive.
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -160,6 +162,8 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
     claimed: Set[int] = set()
     out: List[Suggestion] = []
     for r in remedies:
+        if r.bundled and w.device_type == "cpu":
+            continue  # the bundled drop-ins are Triton kernels: patch() refuses them without CUDA
         if r.detector == "launch_bound":
             if w.device_type == "cpu":
                 continue
@@ -195,6 +199,11 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
             continue
         out.append(Suggestion(kernel=r.kernel, title=r.title, apply=r.apply, ops=names, time_seconds=per_step,
                               expected_gain=min(gain, 1.0), kind="bundled" if r.bundled else "existing"))
+    total = sum(x.expected_gain for x in out)
+    if total > 1.0:
+        # Amdahl gains of disjoint ops cannot exceed the step; a larger sum means the step time given was
+        # shorter than the window's own (e.g. measured outside the profiler). Scale them to fit in one step.
+        out = [dataclasses.replace(x, expected_gain=x.expected_gain / total) for x in out]
     out.sort(key=lambda s: (s.kind != "existing", -s.expected_gain))
     return out
 

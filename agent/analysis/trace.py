@@ -43,8 +43,56 @@ _STEP_PREFIX = "ProfilerStep#"
 _EPS_US = 1e-3  # trace timestamps are microseconds with nanosecond digits
 
 
+#: Deepest JSON nesting accepted. Kineto's events nest 6 levels at most (``args`` → ``Input Dims`` → a
+#: TensorList of shapes); ijson keeps one prefix string per open level, so memory grows with the square
+#: of the depth (200 KB of brackets took 24 GB): deeper files are refused before parsing.
+MAX_JSON_DEPTH = 64
+_SCAN_CHUNK = 1 << 21  # bytes per chunk of the depth scan (its numpy temporaries are ~20x this)
+
+
 class TraceError(Exception):
     """A file that is not a readable profiler trace (not JSON, truncated, no events, no GPU activity)."""
+
+
+def check_json_depth(f, limit: int = MAX_JSON_DEPTH) -> int:
+    """Scan a binary JSON stream and return its maximum nesting depth; ``ValueError`` past ``limit``.
+
+    Brackets inside strings do not count; a quote preceded by an odd run of backslashes is
+    escaped. Vectorised with numpy over chunks of :data:`_SCAN_CHUNK` bytes (the state —
+    depth, inside a string, trailing backslashes — carries across chunks), so the scan costs
+    one sequential read and bounded memory.
+    """
+    import numpy as np
+
+    depth, in_str, bs_run, deepest = 0, False, 0, 0
+    while True:
+        chunk = f.read(_SCAN_CHUNK)
+        if not chunk:
+            return deepest
+        a = np.frombuffer(chunk, dtype=np.uint8)
+        n = a.size
+        idx = np.arange(n, dtype=np.int64)
+        is_bs = a == 92
+        # length of the backslash run just before each position (carrying the previous chunk's run)
+        last_other = np.maximum.accumulate(np.where(is_bs, -1, idx))
+        before = np.empty(n, dtype=np.int64)
+        before[0] = bs_run
+        run_to = idx - last_other  # backslashes ending at each position (0 where not a backslash)
+        run_to = np.where(last_other < 0, run_to + bs_run, run_to)
+        before[1:] = run_to[:-1]
+        quote = (a == 34) & (before % 2 == 0)
+        q = np.cumsum(quote, dtype=np.int64)
+        inside = ((q - quote) % 2 == 1) ^ in_str  # state before each byte
+        opening = ((a == 91) | (a == 123)) & ~inside
+        closing = ((a == 93) | (a == 125)) & ~inside
+        level = depth + np.cumsum(opening.astype(np.int64) - closing.astype(np.int64))
+        if n:
+            deepest = max(deepest, int(level.max()))
+            if deepest > limit:
+                raise ValueError(f"JSON nested deeper than {limit} levels (a profiler trace nests about 6)")
+            depth = int(level[-1])
+            in_str = bool(in_str ^ (int(q[-1]) % 2 == 1))
+            bs_run = int(run_to[-1])
 
 
 def _open_binary(path: str):
@@ -121,6 +169,14 @@ def read_trace(path: str) -> TraceFile:
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise _wrap_errors(path, exc) from exc
     first = head.lstrip()[:1]
+    if first in (b"[", b"{"):
+        try:
+            with _open_binary(path) as f:
+                check_json_depth(f)
+        except ValueError as exc:
+            raise TraceError(f"{path}: not a profiler trace: {exc}") from None
+        except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise _wrap_errors(path, exc) from exc
     if first == b"[":
         return TraceFile(path, {}, array_format=True)
     if first != b"{":
@@ -226,6 +282,8 @@ class TraceIndex:
         except (KeyError, TypeError, ValueError):
             return
         args = ev.get("args") or {}
+        if not isinstance(args, dict):
+            args = {}
         if cat == "cpu_op" or cat == "user_annotation":
             name = str(ev.get("name", ""))
             if cat == "user_annotation" and name.startswith(_STEP_PREFIX):

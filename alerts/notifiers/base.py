@@ -1,40 +1,59 @@
-"""The notifier interface and the queue + thread that keeps delivery off the training loop.
+"""The notifier interface and the per-notifier queue + thread that keeps delivery off the training loop.
 
 Every notifier (Slack, webhook, console) implements :meth:`Notifier.deliver`.
 The engine never calls it directly: it hands notifications to a
 :class:`NotifierWorker`, which owns a bounded queue and one daemon thread per
-notifier. ``submit`` never blocks: when the queue is full the notification is
-dropped and counted, so a dead receiver can cost memory only up to
-``queue_size`` notifications and never time on the training thread. One thread
-per notifier delivers in order (first in, first out), so a slow Slack does not
-hold back the webhook and a retried notification is never overtaken.
+notifier, so a slow Slack does not hold back the webhook. ``submit`` never
+blocks and never waits on the network.
+
+Delivery follows Alertmanager's model (``notify/notify.go``: a group's state is
+retried until delivered or replaced by a newer state of the same group):
+
+* Notifications are delivered first in, first out. A failed attempt that a later
+  attempt can fix (connection error, timeout, 408, 429, 5xx) is retried with
+  capped exponential backoff for as long as it takes, unless the notifier sets
+  ``max_retries``.
+* While a notification waits for its next retry, a newer notification of the
+  same group (same ``group_key``) *supersedes* it: the old one is abandoned and
+  the newest state of the group is delivered instead. Alerts that were resolved
+  in the superseded state and are absent from the newer one are carried over into
+  it, so a resolved message is never lost by superseding.
+* When the queue is full, the oldest *superseded* state (one with a newer state
+  of its group queued behind it) goes first, merged the same way. The latest state
+  of a group is never dropped by an overflow; the queue may then hold more than
+  ``queue_size`` entries, but never more than one per group beyond that bound
+  (groups are bounded by the rules and ``group_by``).
+* ``close(deadline)`` keeps delivering (and retrying) until the deadline, then
+  stops; what it could not deliver is counted ``dropped``, logged once as
+  "dropped at close" and listed in :attr:`NotifierWorker.undelivered`.
 
 Outcomes, counted in ``mfuwatch_notifications_total{sink,outcome}``:
 
 * ``sent`` — delivered (2xx, or written for the console);
-* ``failed`` — rejected (4xx other than 408/429) or still failing after the retries;
-* ``dropped`` — never attempted to the end: the queue was full, or ``close()``'s
-  deadline passed first;
-* ``retry`` — one more attempt after a connection error, a timeout, 408, 429 or 5xx
-  (counts attempts, not notifications).
+* ``failed`` — rejected (4xx other than 408/429), or ``max_retries`` exhausted;
+* ``superseded`` — replaced by a newer state of its group before it was delivered;
+* ``dropped`` — not delivered: ``close()``'s deadline passed first, or submitted after close;
+* ``retry`` — one more attempt after a retryable failure (counts attempts, not notifications).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Optional
+from typing import Callable, Deque, List, Optional
 
 from ..config import NotifierConfig
 from ..model import Notification
 
 log = logging.getLogger("mfuwatch.alerts")
 
-OUTCOMES = ("sent", "failed", "dropped", "retry")
+OUTCOMES = ("sent", "failed", "superseded", "dropped", "retry")
 Counter = Callable[[str, str], None]  # (sink, outcome) -> None
+#: While closing, no retry waits longer than this (seconds), so the deadline is spent retrying.
+CLOSING_MAX_WAIT = 0.25
 
 
 class Notifier(ABC):
@@ -60,8 +79,9 @@ class Notifier(ABC):
         """Deliver one notification; return ``"sent"``, ``"failed"`` or ``"dropped"``. Must not raise.
 
         ``wait(seconds)`` sleeps before a retry and returns ``False`` when the
-        worker is closing and the deadline would pass (give up: ``"dropped"``);
-        ``on_retry()`` counts one retry.
+        notification should be given up (the worker is closing and its deadline
+        passed, or a newer state of the group superseded it): return ``"dropped"``
+        then. ``on_retry()`` counts one retry.
         """
 
     def warn_once(self, key: str, message: str, *args) -> None:
@@ -74,20 +94,44 @@ class Notifier(ABC):
         """Release resources (HTTP sessions). Called on the worker thread when it ends."""
 
 
+def describe(notification: Notification) -> str:
+    """One line naming a notification without secrets: ``firing {}:{run="demo"} [MfuLow, Xid]``."""
+    names = ", ".join(f"{a.name}{'' if a.status == 'firing' else ' (resolved)'}" for a in notification.alerts)
+    return f"{notification.status} {notification.group_key} [{names}]"
+
+
+def merge_superseded(old: Notification, new: Notification) -> Notification:
+    """``new`` plus the resolved alerts of ``old`` that ``new`` does not mention (by fingerprint)."""
+    seen = {a.fingerprint for a in new.alerts}
+    carried = tuple(a for a in old.alerts if a.status == "resolved" and a.fingerprint not in seen)
+    if not carried:
+        return new
+    return Notification(new.group_labels, new.alerts + carried, new.external_url, new.truncated_alerts)
+
+
 class NotifierWorker:
-    """A bounded FIFO queue and a daemon thread delivering to one :class:`Notifier`.
+    """A bounded queue of notifications and a daemon thread delivering them to one :class:`Notifier`.
 
     ``count(sink, outcome)`` is called for every outcome (see :data:`OUTCOMES`).
+    ``clock`` (``time.monotonic`` by default) and ``sleep`` can be replaced in tests.
     """
 
-    def __init__(self, notifier: Notifier, count: Counter, queue_size: Optional[int] = None) -> None:
+    def __init__(self, notifier: Notifier, count: Counter, queue_size: Optional[int] = None, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         self.notifier = notifier
         self._count = count
-        self._queue: "queue.Queue[Notification]" = queue.Queue(maxsize=queue_size or notifier.config.queue_size)
+        self.maxsize = int(queue_size or notifier.config.queue_size)
+        self._items: Deque[Notification] = collections.deque()
+        self._cv = threading.Condition()
+        self._current: Optional[Notification] = None
         self._closing = threading.Event()
-        self._deadline: Optional[float] = None  # time.monotonic() by which close() wants to be done
+        self._deadline: Optional[float] = None  # clock() by which close() wants to be done
+        self._now = clock
+        self._sleep = sleep
         self._thread = threading.Thread(target=self._run, name=f"mfuwatch-notify-{notifier.name}", daemon=True)
         self._started = False
+        #: One line per notification that close() could not deliver (see :func:`describe`).
+        self.undelivered: List[str] = []
 
     @property
     def name(self) -> str:
@@ -100,92 +144,173 @@ class NotifierWorker:
             self._thread.start()
 
     def submit(self, notification: Notification) -> bool:
-        """Queue ``notification`` without blocking. Returns ``False`` (and counts ``dropped``) when full or closed."""
+        """Queue ``notification`` without blocking. Returns ``False`` (and counts ``dropped``) after close."""
         part = self.notifier.accepts(notification)
         if part is None:
             return True
         if self._closing.is_set():
             self._safe_count("dropped")
+            self._note_undelivered(part)
             return False
-        try:
-            self._queue.put_nowait(part)
-            return True
-        except queue.Full:
-            self._safe_count("dropped")
-            self.notifier.warn_once("queue-full", "mfuwatch alerts: %s queue is full (%d); notifications are "
-                                    "dropped and counted", self.name, self._queue.maxsize)
-            return False
+        with self._cv:
+            if len(self._items) >= self.maxsize:
+                part = self._evict_superseded(part)
+            self._items.append(part)
+            self._cv.notify_all()
+        return True
 
     def pending(self) -> int:
         """Notifications waiting in the queue (not counting one being delivered)."""
-        return self._queue.qsize()
+        with self._cv:
+            return len(self._items)
 
     def begin_close(self, deadline: float) -> None:
-        """Tell the thread to finish by ``deadline`` (``time.monotonic()``) without waiting for it."""
+        """Tell the thread to finish by ``deadline`` (this worker's clock) without waiting for it."""
         if self._deadline is None or deadline < self._deadline:
             self._deadline = deadline
         self._closing.set()
+        with self._cv:
+            self._cv.notify_all()
 
     def close(self, deadline: float) -> bool:
-        """Deliver what is queued until ``deadline`` (``time.monotonic()``), then stop. Never blocks past it.
+        """Deliver what is queued until ``deadline`` (this worker's clock), then stop. Never blocks past it.
 
         Returns ``True`` when the thread finished; what could not be delivered in
-        time is counted as ``dropped`` (by the thread, when its current request returns).
+        time is counted as ``dropped`` (by the thread, when its current request
+        returns) and listed in :attr:`undelivered`.
         """
         self.begin_close(deadline)
         if not self._started:
             self._drain_dropped()
             return True
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._thread.join(timeout=max(0.0, deadline - self._now()))
         return not self._thread.is_alive()
+
+    # -- queue policy (called with self._cv held) ----------------------------------------------
+    def _evict_superseded(self, incoming: Notification) -> Notification:
+        """Make room by merging away the oldest superseded state; returns ``incoming`` (possibly merged).
+
+        A queued state is superseded when a newer state of its group is queued
+        behind it, or when ``incoming`` belongs to its group. If every queued state
+        is the latest of its group, nothing is dropped (the queue grows by one).
+        """
+        items = self._items
+        for i, old in enumerate(items):
+            nxt = next((j for j in range(i + 1, len(items)) if items[j].group_key == old.group_key), None)
+            if nxt is not None:
+                items[nxt] = merge_superseded(old, items[nxt])
+                del items[i]
+                self._safe_count("superseded")
+                return incoming
+            if old.group_key == incoming.group_key:
+                del items[i]
+                self._safe_count("superseded")
+                return merge_superseded(old, incoming)
+        self.notifier.warn_once("queue-full", "mfuwatch alerts: %s queue is full (%d) with the latest state of "
+                                "every group; it grows by one instead of dropping a latest state",
+                                self.name, self.maxsize)
+        return incoming
+
+    def _newer_in_queue(self, current: Notification) -> bool:
+        with self._cv:
+            return any(n.group_key == current.group_key for n in self._items)
+
+    def _supersede(self, current: Notification) -> None:
+        """Drop ``current`` and all but the newest queued state of its group, merging resolved alerts forward."""
+        with self._cv:
+            items = list(self._items)
+            same = [i for i, n in enumerate(items) if n.group_key == current.group_key]
+            if not same:  # nothing newer after all: keep it for another attempt
+                self._items.appendleft(current)
+                return
+            merged = current
+            for i in same[:-1]:
+                merged = merge_superseded(merged, items[i])
+            items[same[-1]] = merge_superseded(merged, items[same[-1]])
+            for i in reversed(same[:-1]):
+                del items[i]
+            self._items = collections.deque(items)
+        for _ in range(len(same)):
+            self._safe_count("superseded")
 
     # -- the delivery thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while True:
-                if self._past_deadline():
-                    self._drain_dropped()
-                    return
-                try:
-                    item = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    if self._closing.is_set():
-                        return
-                    continue
-                try:
-                    outcome = self.notifier.deliver(item, self._wait, lambda: self._safe_count("retry"))
-                except Exception as exc:  # noqa: BLE001 - a notifier bug must not kill the thread
-                    self.notifier.warn_once("deliver-bug", "mfuwatch alerts: %s failed to deliver (%s)", self.name,
-                                            type(exc).__name__)
-                    outcome = "failed"
-                self._safe_count(outcome if outcome in OUTCOMES else "failed")
+                with self._cv:
+                    while not self._items and not self._closing.is_set():
+                        self._cv.wait(0.5)
+                    if self._past_deadline() or (not self._items and self._closing.is_set()):
+                        break
+                    item = self._items.popleft()
+                self._deliver_one(item)
+            self._drain_dropped()
         finally:
             try:
                 self.notifier.close()
             except Exception:  # noqa: BLE001
                 pass
 
-    def _wait(self, seconds: float) -> bool:
-        """Sleep ``seconds`` before a retry; ``False`` if closing and the deadline comes first."""
-        end = time.monotonic() + max(0.0, seconds)
+    def _deliver_one(self, item: Notification) -> None:
+        retries = [0]
+        superseded = [False]
+
+        def on_retry() -> None:
+            retries[0] += 1
+            self._safe_count("retry")
+
+        def wait(seconds: float) -> bool:
+            ok = self._wait(seconds, item)
+            if not ok and self._newer_in_queue(item):
+                superseded[0] = True
+            return ok
+
+        try:
+            outcome = self.notifier.deliver(item, wait, on_retry)
+        except Exception as exc:  # noqa: BLE001 - a notifier bug must not kill the thread
+            self.notifier.warn_once("deliver-bug", "mfuwatch alerts: %s failed to deliver (%s)", self.name,
+                                    type(exc).__name__)
+            outcome = "failed"
+        if superseded[0]:
+            self._supersede(item)
+            return
+        if outcome == "dropped":
+            self._note_undelivered(item)
+        if outcome == "sent" and retries[0]:
+            log.info("mfuwatch alerts: %s delivered %s after %d retries", self.name, describe(item), retries[0])
+        self._safe_count(outcome if outcome in OUTCOMES else "failed")
+
+    def _wait(self, seconds: float, item: Notification) -> bool:
+        """Sleep ``seconds`` before a retry; ``False`` if past the close deadline or superseded meanwhile."""
+        end = self._now() + max(0.0, seconds)
         while True:
-            if self._deadline is not None and end > self._deadline:
+            if self._newer_in_queue(item):
                 return False
-            left = end - time.monotonic()
+            now = self._now()
+            if self._deadline is not None:
+                end = min(end, now + CLOSING_MAX_WAIT)  # closing: spend what is left retrying, not sleeping
+                if now >= self._deadline or end > self._deadline:
+                    return False
+            left = end - now
             if left <= 0:
                 return True
-            time.sleep(min(left, 0.05))  # short slices, so close() is noticed within 50 ms
+            self._sleep(min(left, 0.05))  # short slices: close() and newer states are noticed within 50 ms
 
     def _past_deadline(self) -> bool:
-        return self._deadline is not None and time.monotonic() >= self._deadline
+        return self._deadline is not None and self._now() >= self._deadline
 
     def _drain_dropped(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+        with self._cv:
+            items, self._items = list(self._items), collections.deque()
+        for n in items:
             self._safe_count("dropped")
+            self._note_undelivered(n)
+
+    def _note_undelivered(self, n: Notification) -> None:
+        line = describe(n)
+        self.undelivered.append(line)
+        self.notifier.warn_once("dropped-at-close", "mfuwatch alerts: %s dropped at close: %s (further ones are "
+                                "listed in the close report)", self.name, line)
 
     def _safe_count(self, outcome: str) -> None:
         try:

@@ -53,11 +53,53 @@ def alert_lines(a: AlertSnapshot) -> List[str]:
     return lines
 
 
+def resolved_lines(a: AlertSnapshot) -> List[str]:
+    """The console lines of a resolved alert: what ended and when, without the firing summary or fixes."""
+    lab = a.labels
+    head = (f"[mfuwatch] RESOLVED {a.name} ({a.severity}) run={lab.get('run', '')} rank={lab.get('rank', '')} "
+            f"host={lab.get('host', '')}")
+    parts = []
+    if a.ends_at is not None and a.starts_at:
+        parts.append(f"after {fmt_duration(max(0.0, a.ends_at - a.starts_at))}")
+    reason = a.annotations.get("resolved_reason")
+    if reason:
+        parts.append(reason)
+    elif a.value is not None:
+        parts.append(f"last value {format_number(a.value, a.unit)}")
+    return [head + (f"  ({'; '.join(parts)})" if parts else "")]
+
+
 class ConsoleNotifier(Notifier):
-    """Writes alerts as text to ``stream`` (``stderr``, ``stdout``) or logs them (``log``: WARNING/INFO)."""
+    """Writes alerts as text to ``stream`` (``stderr``, ``stdout``) or logs them (``log``: WARNING/INFO).
+
+    A terminal is not a pager: each alert is printed in full once when it fires and
+    in one line when it resolves. A notification that only repeats alerts already
+    printed (a group change, the ``repeat_interval`` reminder) prints one
+    ``still firing`` line instead of the blocks again.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._shown: set = set()  # fingerprints printed as firing and not resolved since
 
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        text = "\n".join(line for a in notification.alerts for line in alert_lines(a))
+        lines: List[str] = []
+        again = []
+        for a in notification.alerts:
+            if a.status == "resolved":
+                lines += resolved_lines(a)
+                self._shown.discard(a.fingerprint)
+            elif a.fingerprint in self._shown:
+                again.append(a.name)
+            else:
+                self._shown.add(a.fingerprint)
+                lines += alert_lines(a)
+        if again and not lines:
+            run = notification.group_labels.get("run", "")
+            lines.append(f"[mfuwatch] still firing: {', '.join(again)} (run={run})")
+        if not lines:
+            return "sent"
+        text = "\n".join(lines)
         stream = self.config.stream
         if stream == "log":
             log.log(logging.WARNING if notification.status == "firing" else logging.INFO, "%s", text)

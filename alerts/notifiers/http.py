@@ -11,7 +11,9 @@ what a later attempt can fix:
   (AWS Architecture Blog, "Exponential Backoff And Jitter", 2015), so many ranks
   or jobs failing together do not retry in lockstep.
 
-Other 4xx answers are final (``failed``): the request itself is wrong. Log lines
+Retries go on until the worker gives up the notification (a newer state of its
+group superseded it, or close()'s deadline passed: ``wait`` returns False) or,
+when the notifier sets ``max_retries``, after that many. Other 4xx answers are final (``failed``): the request itself is wrong. Log lines
 and errors name the sink and the exception *type* or status code only; the URL
 (the secret) never leaves :class:`~mfuwatch.alerts.secrets.Secret`.
 """
@@ -30,6 +32,7 @@ import requests
 from ..config import NotifierConfig
 from ..model import Notification
 from ..secrets import Secret, resolve_secret
+from ..validation import check_url
 from .base import Notifier
 
 RETRY_STATUS = frozenset({408, 429} | set(range(500, 600)))
@@ -72,6 +75,7 @@ class HttpNotifier(Notifier):
         self._url: Secret = resolve_secret(config.url_env, config.url_file, f"{where} url")
         if not self._url.reveal().startswith(("http://", "https://")):
             raise ValueError(f"{where}: the URL from {self._url.source} is not an http(s) URL")
+        check_url(self._url.reveal(), f"{where} (from {self._url.source})", echo=False)  # e.g. port 187020
         self._token: Optional[Secret] = None
         if config.token_env or config.token_file:
             self._token = resolve_secret(config.token_env, config.token_file, f"{where} token")
@@ -124,7 +128,7 @@ class HttpNotifier(Notifier):
                 self.warn_once(type(exc).__name__, "mfuwatch alerts: %s request failed (%s); not retried",
                                self.name, type(exc).__name__)
                 return "failed"
-            if attempt >= cfg.max_retries:
+            if cfg.max_retries is not None and attempt >= cfg.max_retries:
                 self.warn_once("gave-up", "mfuwatch alerts: %s still failing after %d retries (%s); notification "
                                "counted as failed", self.name, cfg.max_retries, reason)
                 return "failed"
@@ -135,8 +139,9 @@ class HttpNotifier(Notifier):
             self.retry_delays.append(delay)
             attempt += 1
             on_retry()
-            self.warn_once(f"retry-{reason}", "mfuwatch alerts: %s delivery failed (%s); retry %d of %d in %.2fs",
-                           self.name, reason, attempt, cfg.max_retries, delay)
+            self.warn_once(f"retry-{reason}", "mfuwatch alerts: %s delivery failed (%s); retry %d (of %s) in %.2fs; "
+                           "retried until delivered, superseded or closed", self.name, reason, attempt,
+                           "unlimited" if cfg.max_retries is None else cfg.max_retries, delay)
             if not wait(delay):
                 return "dropped"
 

@@ -22,12 +22,13 @@ from mfuwatch.alerts.notifiers.http import backoff_delay, parse_retry_after
 from mfuwatch.alerts.notifiers.webhook import WebhookNotifier
 
 
-def notification(i: int) -> Notification:
-    labels = {"alertname": "MfuLow", "severity": "warning", "run": "r", "rank": "0"}
-    alert = AlertSnapshot(name="MfuLow", status="firing", severity="warning", labels=labels,
-                          annotations={"summary": f"n{i}"}, starts_at=1.7e9 + i, ends_at=None, value=0.1,
+def notification(i: int, *, run: str = "r", status: str = "firing", name: str = "MfuLow") -> Notification:
+    labels = {"alertname": name, "severity": "warning", "run": run, "rank": "0"}
+    alert = AlertSnapshot(name=name, status=status, severity="warning", labels=labels,
+                          annotations={"summary": f"n{i}"}, starts_at=1.7e9 + i,
+                          ends_at=1.7e9 + i + 1 if status == "resolved" else None, value=0.1,
                           threshold=0.25, op="<", unit="ratio")
-    return Notification({"run": "r"}, (alert,))
+    return Notification({"run": run}, (alert,))
 
 
 def worker_for(url: str, monkeypatch, **spec):
@@ -44,20 +45,52 @@ def summaries(rx):
     return [r.json["alerts"][0]["annotations"]["summary"] for r in rx.delivered]
 
 
-def test_receiver_down_then_up_delivers_everything_once_in_order(monkeypatch):
+def test_receiver_down_then_up_delivers_the_latest_state_of_the_group_once(monkeypatch):
     port = free_port()
-    worker, _, counts = worker_for(f"http://127.0.0.1:{port}/hook", monkeypatch, max_retries=200)
+    worker, _, counts = worker_for(f"http://127.0.0.1:{port}/hook", monkeypatch)
     worker.start()
     for i in range(5):
         assert worker.submit(notification(i))
-    time.sleep(0.3)  # nobody listens: connection refused, retried with backoff
+    time.sleep(0.3)  # nobody listens: connection refused, retried with backoff, superseded by newer states
     with AlertReceiver(port=port) as rx:
-        assert rx.wait_for_delivered(5, timeout=20)
+        assert rx.wait_for_delivered(1, timeout=20)
         assert worker.close(time.monotonic() + 5)
-        assert summaries(rx) == ["n0", "n1", "n2", "n3", "n4"]
-        assert len(rx.received) == 5  # refused connections never reached it; no duplicates
-    assert counts[("webhook", "sent")] == 5 and counts[("webhook", "retry")] >= 1
+        assert summaries(rx) == ["n4"]  # the group's newest state; the older ones were superseded
+        assert len(rx.received) == 1  # refused connections never reached it; no duplicates
+    assert counts[("webhook", "sent")] == 1 and counts[("webhook", "retry")] >= 1
+    assert counts[("webhook", "superseded")] == 4
     assert counts[("webhook", "failed")] == 0 and counts[("webhook", "dropped")] == 0
+
+
+def test_distinct_groups_are_each_delivered_in_order_after_an_outage(monkeypatch):
+    port = free_port()
+    worker, _, counts = worker_for(f"http://127.0.0.1:{port}/hook", monkeypatch)
+    worker.start()
+    for i in range(3):
+        worker.submit(notification(i, run=f"r{i}"))
+    time.sleep(0.3)
+    with AlertReceiver(port=port) as rx:
+        assert rx.wait_for_delivered(3, timeout=20)
+        assert worker.close(time.monotonic() + 5)
+        assert summaries(rx) == ["n0", "n1", "n2"]  # no group supersedes another
+    assert counts[("webhook", "superseded")] == 0 and counts[("webhook", "sent")] == 3
+
+
+def test_superseding_carries_a_resolved_alert_forward(monkeypatch):
+    port = free_port()
+    worker, _, counts = worker_for(f"http://127.0.0.1:{port}/hook", monkeypatch)
+    worker.start()
+    worker.submit(notification(0, status="resolved"))  # MfuLow resolved ...
+    other = notification(1, name="GpuThrottling")  # ... then another alert of the same group fires
+    worker.submit(other)
+    time.sleep(0.3)
+    with AlertReceiver(port=port) as rx:
+        assert rx.wait_for_delivered(1, timeout=20)
+        assert worker.close(time.monotonic() + 5)
+        body = rx.delivered[-1].json
+    got = sorted((a["labels"]["alertname"], a["status"]) for a in body["alerts"])
+    assert got == [("GpuThrottling", "firing"), ("MfuLow", "resolved")]
+    assert counts[("webhook", "superseded")] == 1
 
 
 def test_5xx_then_200_delivers_once_after_recovery(receiver, monkeypatch):
@@ -65,7 +98,7 @@ def test_5xx_then_200_delivers_once_after_recovery(receiver, monkeypatch):
     worker, _, counts = worker_for(receiver.url, monkeypatch)
     worker.start()
     for i in range(3):
-        worker.submit(notification(i))
+        worker.submit(notification(i, run=f"r{i}"))  # three groups: none supersedes another
     assert receiver.wait_for_delivered(3, timeout=20)
     assert worker.close(time.monotonic() + 5)
     assert [r.status for r in receiver.received] == [500, 502, 503, 200, 200, 200]
@@ -112,16 +145,21 @@ def test_client_errors_are_not_retried(receiver, monkeypatch):
     assert counts[("webhook", "retry")] == 0
 
 
-def test_full_queue_drops_and_counts_the_rest(receiver, monkeypatch):
+def test_full_queue_drops_the_oldest_superseded_states_never_the_latest(receiver, monkeypatch):
     worker, _, counts = worker_for(receiver.url, monkeypatch, queue_size=3)
-    accepted = [worker.submit(notification(i)) for i in range(10)]  # the thread is not running yet
-    assert accepted == [True] * 3 + [False] * 7
-    assert counts[("webhook", "dropped")] == 7
+    # the thread is not running yet: 10 states of group r, one of group s in between
+    accepted = [worker.submit(notification(i)) for i in range(4)]
+    accepted.append(worker.submit(notification(100, run="s")))
+    accepted += [worker.submit(notification(i)) for i in range(4, 10)]
+    assert accepted == [True] * 11  # nothing refused: superseded states made room
+    assert worker.pending() == 3
     worker.start()
     assert receiver.wait_for_delivered(3, timeout=20)
     assert worker.close(time.monotonic() + 5)
-    assert summaries(receiver) == ["n0", "n1", "n2"]  # nothing lost while the queue had room
-    assert counts[("webhook", "sent")] == 3
+    got = summaries(receiver)
+    assert got[-1] == "n9" and "n100" in got  # each group's latest state survived the overflow
+    assert len(got) == 3 and counts[("webhook", "sent")] == 3
+    assert counts[("webhook", "superseded")] == 8 and counts[("webhook", "dropped")] == 0
 
 
 def test_close_flushes_the_queue_before_returning(receiver, monkeypatch):

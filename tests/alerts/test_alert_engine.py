@@ -171,7 +171,7 @@ def test_stalled_only_inhibits_when_source_fires(run_info, clock):
 
 def test_silence_by_matchers_until_a_time(run_info, clock):
     until = clock() + 3600
-    cfg = {"rules": {"MfuLow": {"for": "0s"}, "MemoryBoundDominant": {"threshold": 0.4}},
+    cfg = {"rules": {"MfuLow": {"for": "0s"}, "MemoryBoundDominant": {"threshold": 0.4, "for": "0s"}},
            "silences": [{"matchers": ['alertname="MfuLow"', 'run=~"run-.*"'], "until": until, "comment": "known"}]}
     e, cap, _, _ = engine_with(cfg, run_info, clock)
     e.observe_step(step(0.1))

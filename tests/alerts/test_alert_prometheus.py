@@ -31,7 +31,7 @@ CASES = {
     "MemoryBoundDominant": ([(f"mfuwatch_memory_bound_share_ratio{{{S}}}", "0.62x10"),
                              (f'mfuwatch_suggestion_expected_gain_ratio{{{S},kernel="rms_norm"}}', "0.123x10"),
                              (f'mfuwatch_suggestion_expected_gain_ratio{{{S},kernel="torch_compile"}}', "0.05x10")],
-                            "2m", "0", 0.62, "mfuwatch-training-mfu", None),
+                            "6m", "0", 0.62, "mfuwatch-training-mfu", "4m"),  # for: 5m
     # last step at t=60 s; at 10 min nothing has moved for 540 s
     "TrainingStalled": ([(f"mfuwatch_last_step_timestamp_seconds{{{S}}}", "60x20")], "10m", "0", 540.0,
                         "mfuwatch-cross-rank", "5m"),

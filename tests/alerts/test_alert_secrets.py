@@ -68,6 +68,7 @@ def test_no_secret_in_logs_metrics_exceptions_or_dump(receiver, monkeypatch, cap
                                         tokens_per_second=1, model_flops=1, hardware_flops=1,
                                         model_flops_per_second=1, mfu=0.1))
     engine.evaluate()  # firing: 500 then 404 (failed) at the webhook; connection refused at "slack"
+    assert receiver.wait_for(2, timeout=20)  # both answered before the next state could supersede it
     engine.observe_gpu(GpuHealth(timestamp=0, memory_used_bytes=99.0, memory_total_bytes=100.0))
     engine.evaluate()  # a second notification: delivered, with the bearer token
     assert receiver.wait_for_delivered(1, timeout=20)

@@ -3,9 +3,10 @@
 The demo runs on the CPU with the ``memory-bound`` model preset (narrow and long, so
 norms and pointwise ops dominate), profiler windows every few steps, and an agent
 config whose ``alerts:`` key points a webhook notifier at a receiver on 127.0.0.1.
-The MemoryBoundDominant alert must arrive naming a bundled drop-in from
-mfuwatch.kernels, the exact line that applies it, and a positive expected gain; the
-timeline must record the transition.
+The MemoryBoundDominant alert must arrive during the run naming a fix, the exact line
+that applies it, and a positive expected gain; on the CPU that fix is never one of the
+bundled Triton drop-ins (``patch()`` refuses them without CUDA); the timeline must
+record the transition, and close() must resolve it ("run ended").
 """
 
 from __future__ import annotations
@@ -50,19 +51,21 @@ def test_memory_bound_demo_alert_names_a_bundled_kernel(receiver, tmp_path):
     assert firing, "no MemoryBoundDominant notification; got " + json.dumps([r.json for r in receiver.delivered])[:2000]
     ann = firing[0]["annotations"]
     assert firing[0]["labels"]["run"] == "e2e-mb"
-    bundled = [m.groupdict() for m in map(SUGGESTION_LINE.match, ann["suggestions"].splitlines()) if m
-               and m.group("kind") == "bundled"]
-    assert bundled, ann["suggestions"]
-    top = bundled[0]
-    assert float(top["gain"]) > 0
-    assert "mfuwatch.kernels" in top["apply"] and top["kernel"] in top["apply"]
-    assert (ann["bundled_kernel"], ann["bundled_apply"]) == (top["kernel"], top["apply"])
-    assert float(ann["bundled_expected_gain"]) > 0
-    from mfuwatch.kernels.registry import BUNDLED_KERNELS
-
-    assert top["kernel"] in BUNDLED_KERNELS, f"{top['kernel']} is not a bundled kernel of mfuwatch.kernels"
+    lines = [m.groupdict() for m in map(SUGGESTION_LINE.match, ann["suggestions"].splitlines()) if m]
+    assert lines, ann["suggestions"]
+    assert [x for x in lines if x["kind"] == "bundled"] == []  # no Triton drop-in on the CPU
+    assert "bundled_kernel" not in ann
+    top = lines[0]
+    assert float(top["gain"]) > 0 and top["apply"]
+    assert (ann["suggested_kernel"], ann["suggested_apply"]) == (top["kernel"], top["apply"])
     assert ann["runbook_url"].endswith("/MemoryBoundDominant.md")
 
     records = [json.loads(line) for line in timeline.read_text().splitlines() if line.strip()]
     alerts = [r for r in records if r.get("kind") == "alert" and r["alertname"] == "MemoryBoundDominant"]
     assert alerts and alerts[0]["status"] == "firing" and alerts[0]["labels"]["run"] == "e2e-mb"
+    steps = [r for r in records if r.get("kind") == "step"]
+    assert alerts[0]["timestamp"] < steps[-1]["timestamp"]  # fired during the run, not only at shutdown
+    assert alerts[-1]["status"] == "resolved"  # the run ended: the incident is closed, not left open
+    resolved = [a for r in receiver.delivered for a in r.json["alerts"]
+                if a["labels"]["alertname"] == "MemoryBoundDominant" and a["status"] == "resolved"]
+    assert resolved, "the firing alert was never resolved"

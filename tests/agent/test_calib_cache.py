@@ -1,0 +1,68 @@
+"""CPU ranks of one job share one calibrated peak, so identical ranks report the same MFU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+from mfuwatch.agent import Agent
+from mfuwatch.agent import peaks as peak_table
+from mfuwatch.agent.calib_cache import shared_value
+
+
+def _rank(key, cache, q):
+    import os
+    import random
+    import time
+
+    os.environ["MFUWATCH_CACHE_DIR"] = cache
+
+    def measure():
+        time.sleep(0.3)  # a calibration takes a while; the other rank arrives meanwhile
+        return random.SystemRandom().random()
+
+    q.put(shared_value(key, measure))
+
+
+def test_two_processes_get_one_value(tmp_path):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=("job-1|host", str(tmp_path), q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert got[0] == got[1]
+
+
+def test_agents_of_two_cpu_ranks_report_the_same_peak(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
+    calls = iter([1.0e11, 2.5e11, 4.0e11])  # each calibration would give another value
+    monkeypatch.setattr(peak_table, "calibrate_matmul", lambda device, dtype: next(calls))
+    base = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="ddp-cpu", calibrate=True,
+                world_size=2, flops_per_step=1e9)
+    a0 = Agent(config=dict(base, rank=0))
+    a1 = Agent(config=dict(base, rank=1, local_rank=1))
+    try:
+        assert a0.run_info.peak_flops_per_second == a1.run_info.peak_flops_per_second == 1.0e11
+    finally:
+        a0.close()
+        a1.close()
+
+
+def test_window_calibration_of_cpu_ranks_is_shared(tmp_path, monkeypatch):
+    import torch
+
+    from mfuwatch.agent import profiler as profiler_mod
+
+    monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profiler_mod, "_CPU_PEAKS", None)
+    monkeypatch.setattr(peak_table, "calibrate_bandwidth", lambda device: 3.0e10)  # this rank would measure...
+    monkeypatch.setattr(peak_table, "calibrate_matmul", lambda device, dtype: 9.0e10)
+    key = "window|job|host"
+    shared_value(key + "|bandwidth", lambda: 2.0e10)  # ...but rank 0 measured first
+    shared_value(key + "|fp32 matmul", lambda: 5.0e10)
+    s = profiler_mod.ProfilerSampler(every_steps=5, device=torch.device("cpu"), on_window=lambda w: None,
+                                     on_error=lambda c, e: None, shared_key=key)
+    p = s._resolve_peaks()
+    assert p["memory_bandwidth_bytes_per_second"] == 2.0e10 and p["peak_flops"]["fp32"] == 5.0e10

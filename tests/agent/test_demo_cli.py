@@ -1,0 +1,72 @@
+"""``mfuwatch demo`` as a user runs it: ``--steps 1`` succeeds, the timeline appends and records loss and
+tokens per step, ``--quiet`` is quiet (no Kineto USDT lines), Ctrl-C exits 130 without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from mfuwatch.agent.demo import main
+
+ARGS = ["--device", "cpu", "--port", "0", "--report", "", "--batch", "4", "--seq", "32", "--log-every", "1"]
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_steps_1_succeeds_and_the_timeline_appends(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    tl = tmp_path / "t.jsonl"
+    for _ in range(2):
+        assert main(ARGS + ["--steps", "1", "--profile-every", "off", "--timeline", str(tl), "--quiet"]) == 0
+    recs = _records(tl)
+    # each run writes its run record(s) then steps: two runs appended means a run record after a step record
+    kinds = [r["kind"] for r in recs]
+    assert kinds.count("step") == 2 and kinds[0] == "run"
+    first_step = kinds.index("step")
+    assert "run" in kinds[first_step + 1:]  # the second run was appended, not written over the first
+
+
+def test_quiet_run_records_loss_and_tokens_per_step(tmp_path):
+    tl = tmp_path / "t.jsonl"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MFUWATCH_CONFIG": ""}
+    cmd = [sys.executable, "-m", "mfuwatch.agent.cli", "demo", *ARGS, "--steps", "12", "--profile-every", "3 steps",
+           "--timeline", str(tl), "--quiet"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "USDT" not in out.stderr and "profiler_start" not in out.stderr
+    steps = [r for r in _records(tl) if r["kind"] == "step"]
+    assert steps
+    for r in steps:
+        assert r["tokens_per_step"] == 4 * 32  # per step, like model_flops
+        assert r["tokens"] == r["tokens_per_step"] * r["steps"]  # the interval's total
+        assert isinstance(r["loss"], float) and r["loss"] > 0
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MFUWATCH_CONFIG": "", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "mfuwatch.agent.cli", "demo", *ARGS, "--steps", "100000", "--profile-every",
+           "2 steps", "--timeline", str(tmp_path / "t.jsonl"), "--summary-json", str(tmp_path / "s.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)  # its own process group, like a terminal's foreground job
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while time.monotonic() < deadline and "step     6" not in seen:
+            seen += proc.stdout.readline()
+        assert "step     6" in seen, seen[-2000:]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: SIGINT to the whole foreground group
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["interrupted"] is True
+    assert summary["agent_errors"].get("profiler", 0) == 0  # the analysis child was not killed by the SIGINT

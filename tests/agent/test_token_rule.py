@@ -1,0 +1,42 @@
+"""Which forwards are training tokens: autograd on and the model in train mode. A metric pass in
+``model.eval()`` without ``no_grad`` is not counted; a dict batch with ``input_ids`` is."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mfuwatch.agent import Agent
+from mfuwatch.agent.core import count_tokens
+from tests.agent.test_core import BASE, _fake_clock, _tiny
+
+
+def test_eval_forward_without_no_grad_is_not_training_tokens():
+    s, model = _tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=4,
+                                      model_shape={"n_layers": 1, "d_model": 16}))
+    now = _fake_clock(a)
+    for _ in range(4):
+        x = torch.randint(0, s.vocab, (s.batch, s.seq))
+        model.train()
+        F.cross_entropy(model(x).view(-1, s.vocab), x.view(-1)).backward()
+        model.eval()
+        model(x)  # a metric pass: eval mode, autograd still on
+        model(x)
+        now.t += 0.5
+        opt.step()
+        opt.zero_grad()
+    a.close()
+    m = a.latest
+    assert m.steps == 4 and m.tokens == 4 * s.batch * s.seq  # only the training forward of each step
+    assert m.tokens_per_second == s.batch * s.seq / 0.5
+
+
+def test_dict_batch_with_input_ids_is_counted():
+    ids = torch.zeros(3, 7, dtype=torch.long)
+    assert count_tokens(({"input_ids": ids, "attention_mask": torch.ones(3, 7)},), {}) == (21, 7)
+    from collections import UserDict  # BatchEncoding is a UserDict
+
+    assert count_tokens((UserDict(input_ids=ids),), {}) == (21, 7)
+    assert count_tokens((), {"input_ids": ids}) == (21, 7)
