@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import peaks as peak_table
+from mfuwatch.agent import calibrate as peak_table
 from mfuwatch.agent.calib_cache import shared_value
 
 
@@ -64,5 +64,5 @@ def test_window_calibration_of_cpu_ranks_is_shared(tmp_path, monkeypatch):
     shared_value(key + "|fp32 matmul", lambda: 5.0e10)
     s = profiler_mod.ProfilerSampler(every_steps=5, device=torch.device("cpu"), on_window=lambda w: None,
                                      on_error=lambda c, e: None, shared_key=key)
-    p = s._resolve_peaks()
-    assert p["memory_bandwidth_bytes_per_second"] == 2.0e10 and p["peak_flops"]["fp32"] == 5.0e10
+    p = s.child_peaks()
+    assert p.memory_bandwidth_bytes_per_second == 2.0e10 and p.peak_flops["fp32"] == 5.0e10

@@ -9,10 +9,11 @@ import threading
 import torch
 
 from mfuwatch.agent import profiler as profiler_mod
+from mfuwatch.agent.peaks import Peaks
 from mfuwatch.agent.profiler import ProfilerSampler
 from tests.agent.test_profiler import _loop
 
-PEAKS = {"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10}
+PEAKS = Peaks(peak_flops={"fp32": 1e11}, memory_bandwidth_bytes_per_second=1e10)
 
 
 class HangingChild:
@@ -50,7 +51,7 @@ def test_windows_keep_their_cadence_while_an_analysis_runs(monkeypatch):
     monkeypatch.setattr(profiler_mod.subprocess, "Popen", fake_popen)
     errors = []
     sampler = ProfilerSampler(every_steps=5, warmup_steps=0, active_steps=1, device=torch.device("cpu"),
-                              gpu_spec=PEAKS, on_window=lambda w: None, on_error=lambda c, e: errors.append(e))
+                              peaks=PEAKS, on_window=lambda w: None, on_error=lambda c, e: errors.append(e))
     step = _loop()
     try:
         for i in range(1, 31):  # windows due at steps 5, 10, 15, 20, 25, 30

@@ -1,7 +1,7 @@
 """Child process of test_analyze_robust.py: run ``mfuwatch analyze`` on every case file under a memory cap.
 
 argv: CASES_DIR RESULTS_JSON MEMORY_LIMIT_BYTES. For each ``*.case`` file, calls
-``mfuwatch.agent.analyze.main`` in-process with stderr captured and records the exit
+``mfuwatch.agent.analysis.analyze.main`` in-process with stderr captured and records the exit
 status, the first stderr line and whether a traceback escaped. Writes the results and
 the peak RSS (MB) as JSON.
 """
@@ -16,7 +16,7 @@ import traceback
 
 cases, out, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-from mfuwatch.agent.analyze import main  # noqa: E402
+from mfuwatch.agent.analysis.analyze import main  # noqa: E402
 
 results = []
 for name in sorted(os.listdir(cases)):

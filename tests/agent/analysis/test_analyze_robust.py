@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mfuwatch.agent.analyze import main
-from mfuwatch.agent.trace import MAX_JSON_DEPTH, TraceError, read_trace
+from mfuwatch.agent.analysis.analyze import main
+from mfuwatch.agent.analysis.trace import MAX_JSON_DEPTH, TraceError, read_trace
 from tests.helpers.chrome_trace_builder import TraceBuilder
 
 MEMORY_CAP = 2 << 30  # address space of the fuzz child (numpy + the analysis fit in well under this)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mfuwatch.agent.roofline import analyze_events
-from tests.agent.test_suggest import PEAKS, _rms_norm_timeline
+from mfuwatch.agent.analysis.analyze import analyze_events
+from tests.agent.analysis.test_suggest import PEAKS, _rms_norm_timeline
 
 
 def test_cpu_window_suggests_no_bundled_triton_kernel():
