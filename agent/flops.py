@@ -156,14 +156,61 @@ def ensure_cpu_sdpa_flop_formulas() -> None:
             return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+class CountingFailed(RuntimeError):
+    """A FLOP formula raised while the counted step ran; the step itself went on."""
+
+
+def _safe_flop_counter_mode() -> Any:
+    """A ``FlopCounterMode`` subclass whose formula failures are recorded instead of raised into the user's step.
+
+    Uses our attention and grouped-matmul formulas (:mod:`.op_flops`) through
+    ``custom_mapping``. The first failure is kept in ``failure``; the op's
+    result is returned untouched, so the training step computes what it would
+    have without the counter.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from . import op_flops
+
+    class SafeFlopCounterMode(FlopCounterMode):
+        failure: Optional[BaseException] = None
+
+        def _count_flops(self, func_packet, out, args, kwargs):  # noqa: ANN001
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - never into the training step
+                if self.failure is None:
+                    self.failure = exc
+                return out
+
+    return SafeFlopCounterMode(display=False, custom_mapping=op_flops.flop_counter_mapping())
+
+
+def _pop_dispatch_mode(mode: Any) -> None:
+    """Take ``mode``'s inner dispatch mode off torch's mode stack if ``__exit__`` left it there."""
+    from torch.utils import _python_dispatch as pd
+
+    inner = getattr(mode, "mode", None)
+    stack = pd._get_current_dispatch_mode_stack() if hasattr(pd, "_get_current_dispatch_mode_stack") else []
+    for _ in range(len(stack)):
+        stack = pd._get_current_dispatch_mode_stack()
+        if not stack or not any(m is inner or m is mode for m in stack):
+            return
+        if stack[-1] is inner or stack[-1] is mode:
+            pd._pop_mode()
+        else:
+            return  # another mode above ours: leave the stack to its owner
+
+
 class StepFlopCounter:
     """Counts FLOPs over one real optimizer step with ``FlopCounterMode``, driven by hooks.
 
     ``start()`` is called at the first forward of a step (the agent's forward
-    pre-hook), ``mark_forward_end()`` after each forward of the step (forward
-    hook), ``finish()`` at the optimizer step boundary. Returns executed FLOPs
-    and forward-phase FLOPs per step; see the module docstring for how model and
-    hardware FLOPs follow from them.
+    pre-hook), ``mark_forward_start()``/``mark_forward_end()`` around each forward
+    of the step, ``finish()`` at the optimizer step boundary. A formula that
+    raises during the step does not reach the step: :meth:`finish` raises
+    :class:`CountingFailed` afterwards. :meth:`finish` and :meth:`abort` always
+    leave the mode, even when its ``__exit__`` fails.
     """
 
     def __init__(self) -> None:
@@ -173,10 +220,8 @@ class StepFlopCounter:
         self.active = False
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        ensure_cpu_sdpa_flop_formulas()
-        self._mode = FlopCounterMode(display=False)
+        """Enter the counting mode (the step's first forward). Raises what ``FlopCounterMode`` raises."""
+        self._mode = _safe_flop_counter_mode()
         self._mode.__enter__()
         self.active = True
         self.forward_flops = 0
@@ -190,23 +235,40 @@ class StepFlopCounter:
             self.forward_flops += self._mode.get_total_flops() - self._fwd_start
 
     def finish(self) -> tuple:
-        """Leave the mode; return ``(executed_flops, forward_flops)`` for the step."""
+        """Leave the mode; return ``(executed_flops, forward_flops)`` for the step.
+
+        Raises:
+            CountingFailed: a formula raised during the step (the count is incomplete).
+            Exception: leaving the mode failed (it is taken off the dispatch stack anyway).
+        """
         mode, self._mode = self._mode, None
         self.active = False
         if mode is None:
             return 0, 0
-        mode.__exit__(None, None, None)
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            _pop_dispatch_mode(mode)
+        failure = getattr(mode, "failure", None)
+        if failure is not None:
+            raise CountingFailed(f"a FLOP formula failed during the counted step: {type(failure).__name__}: "
+                                 f"{failure}") from failure
         return int(mode.get_total_flops()), int(self.forward_flops)
 
     def abort(self) -> None:
         """Leave the mode after a failure, discarding the count. Never raises."""
+        mode, self._mode = self._mode, None
+        self.active = False
+        if mode is None:
+            return
         try:
-            if self._mode is not None:
-                self._mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)
         except Exception:  # noqa: BLE001
             pass
-        self._mode = None
-        self.active = False
+        try:
+            _pop_dispatch_mode(mode)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def split_model_hardware(executed: float, forward: float) -> tuple:
@@ -219,3 +281,234 @@ def split_model_hardware(executed: float, forward: float) -> tuple:
     if forward <= 0:
         return float(executed), float(executed)
     return float(min(3.0 * forward, executed)), float(executed)
+
+
+class FlopModel:
+    """Model and hardware FLOPs per optimizer step for one training process: the agent's FLOP source.
+
+    Picks the first source that applies: ``flops_per_step`` from the config
+    (``source`` "user"); the analytic formula (``"analytic"``) of
+    :mod:`.architectures` for a Hugging Face model it knows, or of PaLM for
+    ``model_shape``; else one real step counted with ``FlopCounterMode``
+    (``"flop_counter"``). ``""`` when none applies (MFU is not reported).
+
+    The training thread calls :meth:`on_forward_start`, :meth:`on_forward_end`
+    and :meth:`on_step_end` (shape reads and counter calls only; failures are
+    counted under ``flops`` in ``errors`` and switch counting off for good,
+    never raise); the agent thread calls :meth:`flops_per_step`, which also
+    re-reads the trainable set when it changed (a PEFT adapter enabled, merged
+    or a layer unfrozen).
+
+    Args:
+        model: the trained module, or None.
+        config: the agent's :class:`~mfuwatch.agent.config.AgentConfig`.
+        errors: the agent's :class:`~mfuwatch.agent.errors.ErrorCounter`.
+
+    Raises:
+        ConfigError: ``model_shape`` without ``n_params`` and no model.
+    """
+
+    def __init__(self, model: Optional[nn.Module], config: Any, errors: Any) -> None:
+        from .config import ConfigError
+
+        self.model, self.config, self.errors = model, config, errors
+        self.source = ""
+        self.reason = ""  # why the analytic path was not taken, for the breakdown
+        self.arch: Any = None
+        self.shape: Optional[TransformerShape] = None
+        self.counter: Optional[StepFlopCounter] = None
+        self.model_flops_per_token: Optional[float] = None
+        self.hw_flops_per_token: Optional[float] = None
+        self.lengths: Any = None  # architectures.Lengths of the latest training forward
+        self._signature: Any = None
+        cfg = config
+        if cfg.flops_per_step is not None:
+            self.source = "user"
+            return
+        try:
+            if cfg.model_shape is not None:
+                ms = cfg.model_shape
+                n = ms.n_params if ms.n_params is not None else (count_matmul_params(model) if model is not None
+                                                                 else None)
+                if n is None:
+                    raise ConfigError("model_shape.n_params: required when no model is given")
+                self.shape = TransformerShape(ms.n_layers, ms.d_model, n, ms.seq_len,
+                                              uses_activation_checkpointing(model))
+            elif model is not None and getattr(model, "config", None) is not None:
+                self._read_architecture()
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            errors.count("flops", exc)
+        if self.shape is not None or self.arch is not None:
+            self.source = "analytic"
+        elif model is not None:
+            self.source = "flop_counter"
+            self.counter = StepFlopCounter()
+            if self.reason:
+                log.info("mfuwatch: FLOPs will be counted over one real step (%s)", self.reason)
+        else:
+            log.warning("mfuwatch: no model, no flops_per_step and no model_shape: MFU is not reported "
+                        "(pass flops_per_step=... or model_shape={'n_layers':..,'d_model':..,'n_params':..})")
+
+    # ------------------------------------------------------------ analytic
+    def _read_architecture(self) -> None:
+        from . import architectures
+
+        cfg = self.config
+        try:
+            self.arch = architectures.from_model(self.model, causal=cfg.attention_flops == "causal",
+                                                 tp=cfg.tensor_parallel_size, cp=cfg.context_parallel_size)
+            self._signature = architectures.trainable_signature(self.model)
+        except architectures.UnknownArchitecture as exc:
+            self.arch, self.reason = None, str(exc)
+
+    def refresh(self) -> None:
+        """Re-read the model when its trainable set changed (agent thread; a walk over the parameters)."""
+        if self.arch is None or self.model is None:
+            return
+        from . import architectures
+
+        sig = architectures.trainable_signature(self.model)
+        if sig != self._signature:
+            self._read_architecture()
+            if self.arch is None:  # became unknown: say so rather than keep a stale formula
+                log.warning("mfuwatch: the model changed and the analytic FLOP formula no longer applies (%s); "
+                            "MFU is not reported", self.reason)
+
+    # ------------------------------------------------------- training thread
+    def on_forward_start(self, args: tuple, kwargs: Any, step: int) -> None:
+        """A training forward begins (shape reads; starts the count on the second step). Never raises."""
+        try:
+            arch = self.arch
+            if arch is not None and arch.family in ("encoder-decoder", "vision"):
+                lengths = arch.lengths_from_inputs(args, kwargs)
+                if lengths is not None:
+                    self.lengths = lengths
+            fc = self.counter
+            if fc is not None:
+                if not fc.active and step >= 1 and self.model_flops_per_token is None:
+                    fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
+                fc.mark_forward_start()
+        except Exception as exc:  # noqa: BLE001
+            self._give_up(exc)
+
+    def on_forward_end(self) -> None:
+        """A training forward ended. Never raises."""
+        try:
+            fc = self.counter
+            if fc is not None and fc.active:
+                fc.mark_forward_end()
+        except Exception as exc:  # noqa: BLE001
+            self._give_up(exc)
+
+    def on_step_end(self, tokens: Optional[int]) -> None:
+        """The optimizer step ended with ``tokens`` tokens: close a running count. Never raises."""
+        fc = self.counter
+        if fc is None or not fc.active:
+            return
+        self.counter = None  # one count only, whatever happens below
+        try:
+            executed, forward = fc.finish()
+        except Exception as exc:  # noqa: BLE001
+            fc.abort()
+            self.errors.count("flops", exc)
+            log.warning("mfuwatch: the FLOP count of one step failed: MFU is not reported (pass flops_per_step=...)")
+            return
+        if tokens and executed:
+            model, hw = split_model_hardware(executed, forward)
+            self.model_flops_per_token = model / tokens
+            self.hw_flops_per_token = hw / tokens
+        else:
+            log.warning("mfuwatch: FlopCounterMode counted %d FLOPs over %d tokens; MFU is not reported "
+                        "(pass flops_per_step=...)", executed, tokens or 0)
+
+    def _give_up(self, exc: BaseException) -> None:
+        fc, self.counter = self.counter, None
+        if fc is not None:
+            fc.abort()
+        self.errors.count("flops", exc)
+
+    def close(self) -> None:
+        """Leave a running count (the agent is closing). Never raises."""
+        fc, self.counter = self.counter, None
+        if fc is not None:
+            fc.abort()
+
+    # ---------------------------------------------------------- agent thread
+    def _arch_lengths(self, seq_len: Optional[int]) -> Any:
+        from .architectures import Lengths
+
+        arch = self.arch
+        if arch.family in ("encoder-decoder", "vision"):
+            return self.lengths or arch.default_lengths
+        return Lengths(int(seq_len)) if seq_len else None
+
+    def flops_per_step(self, tokens_per_step: float, seq_len: Optional[int]) -> tuple:
+        """``(model, hardware)`` FLOPs for one step of ``tokens_per_step`` counted tokens, or ``(None, None)``.
+
+        ``seq_len``: tokens per sequence of the latest training forward (decoders, encoders).
+        """
+        cfg = self.config
+        if cfg.flops_per_step is not None:
+            return cfg.flops_per_step, cfg.hardware_flops_per_step or cfg.flops_per_step
+        if self.shape is not None:
+            s = self.shape
+            seq = s.seq_len or seq_len
+            if not seq:
+                return None, None
+            model = analytic_flops_per_token(s.n_params, s.n_layers, s.d_model, seq) * tokens_per_step
+            if cfg.hardware_flops_per_step is not None:
+                return model, cfg.hardware_flops_per_step
+            return model, model * (4.0 / 3.0) if s.gradient_checkpointing else model
+        if self.arch is not None:
+            self.refresh()
+            arch = self.arch
+            if arch is None:
+                return None, None
+            lengths = self._arch_lengths(seq_len)
+            if lengths is None:
+                return None, None
+            units = arch.units_per_sequence(lengths)
+            if not units:
+                return None, None
+            model, hw, _ = arch.step_flops(lengths, tokens_per_step / units)
+            return model, (cfg.hardware_flops_per_step if cfg.hardware_flops_per_step is not None else hw)
+        if self.model_flops_per_token is not None:
+            return self.model_flops_per_token * tokens_per_step, self.hw_flops_per_token * tokens_per_step
+        return None, None
+
+    def breakdown(self, tokens_per_step: Optional[float] = None, seq_len: Optional[int] = None) -> str:
+        """Text: per-component FLOPs of one step and the formula of each (see :func:`flops_breakdown_text`)."""
+        return flops_breakdown_text(self, tokens_per_step, seq_len)
+
+
+def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
+    """What made the FLOP number: the source, and for the analytic path the per-component table."""
+    lines = [f"flops_source: {fm.source or 'none (MFU not reported)'}"]
+    if fm.source == "user":
+        lines.append(f"flops_per_step = {fm.config.flops_per_step:.4g} (given)")
+        return "\n".join(lines)
+    if fm.shape is not None:
+        s = fm.shape
+        lines.append(f"PaLM formula 6*N + 12*L*d*T per token: N={s.n_params:,} L={s.n_layers} d={s.d_model} "
+                     f"T={s.seq_len or seq_len}")
+        return "\n".join(lines)
+    if fm.arch is not None:
+        from .architectures import describe
+
+        lengths = fm._arch_lengths(seq_len)
+        if lengths is None:
+            return "\n".join(lines + ["no training forward seen yet: sequence length unknown"])
+        units = fm.arch.units_per_sequence(lengths)
+        seqs = (tokens_per_step / units) if (tokens_per_step and units) else 1.0
+        lines.append(f"family: {fm.arch.family} ({fm.arch.model_type}); {seqs:g} sequences of {lengths}")
+        lines.append(describe(fm.arch, lengths, seqs))
+        lines += fm.arch.notes
+        return "\n".join(lines)
+    if fm.reason:
+        lines.append(f"analytic formula not used: {fm.reason}")
+    if fm.model_flops_per_token is not None:
+        lines.append(f"counted over one real step: {fm.model_flops_per_token:.4g} model FLOPs per token, "
+                     f"{fm.hw_flops_per_token:.4g} hardware FLOPs per token")
+    return "\n".join(lines)
