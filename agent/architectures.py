@@ -14,9 +14,11 @@ Per sequence of ``T`` target tokens (``S`` source tokens for encoder-decoders):
   ``n_routed_experts``); shared experts and dense layers (``first_k_dense_replace``,
   ``decoder_sparse_step``, ``mlp_only_layers``) are whatever modules the model
   built for them, so their interleaving needs no rule of its own. A matmul whose
-  input needs no gradient (the patch projection of a ViT; the first layer's
-  Q/K/V projections when the embeddings and that layer's norms are frozen) has
-  no input-gradient term.
+  input needs no gradient has no input-gradient term: one with no trainable
+  parameter registered before it (registration order stands for forward order),
+  a layer's Q/K/V projections when nothing before the layer and none of its norms
+  is trainable, a ViT's patch projection (its input is pixels). Merged or
+  disabled PEFT adapters are not counted.
 * **Attention scores** (``Q Kᵀ`` and ``P V``): ``12 · Hq · D`` FLOPs per
   (query, key) pair and layer, forward and backward (PaLM's ``12·L·d·T`` per
   token with ``d = Hq·D``; GQA/MQA cost the same as MHA). Pairs per sequence:
@@ -25,7 +27,8 @@ Per sequence of ``T`` target tokens (``S`` source tokens for encoder-decoders):
   layer when the config has a window and no ``layer_types``), ``Σ c²`` over
   chunks of ``attention_chunk_size`` for ``chunked_attention``, ``T·S`` for
   cross-attention. ``causal=True`` counts only the pairs a causal mask keeps
-  (``T(T+1)/2`` for a full layer); the default (``False``) is PaLM's.
+  (``T(T+1)/2`` for a full layer); the default (``False``) is PaLM's. A layer
+  with nothing trainable in or before it runs no attention backward.
 * **Recomputation** (hardware FLOPs only): one more forward of every layer that
   has ``gradient_checkpointing`` set (as ``gradient_checkpointing_enable()`` does).
 
@@ -88,6 +91,8 @@ class AttentionLayer:
     kind: str = "full"  # "full" | "sliding" | "chunked"
     window: Optional[int] = None
     recomputed: bool = False
+    on_source: bool = False  # an encoder layer of an encoder-decoder: its queries are the source tokens
+    backward: bool = True  # False when nothing trainable is upstream of the layer or in it
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class ArchitectureModel:
         return float(L.target)
 
     def _pairs(self, layer: AttentionLayer, L: Lengths) -> float:
-        t = L.target
+        t = int(L.source or 0) if layer.on_source else L.target
         if layer.role == "cross":
             return float(t) * float(L.source or 0)
         tk = t * self.cp  # context parallelism: a local query sees the whole sequence's keys
@@ -231,8 +236,9 @@ class ArchitectureModel:
         for layer in self.attention:
             pairs = self._pairs(layer, lengths) * sequences
             fwd = 4.0 * layer.width * pairs
-            att[0] += 3.0 * fwd
-            att[1] += 3.0 * fwd + (fwd if layer.recomputed else 0.0)
+            total = (3.0 if layer.backward else 1.0) * fwd
+            att[0] += total
+            att[1] += total + (fwd if layer.recomputed and layer.backward else 0.0)
         comps = [Component(n, a[0], a[1], formulas[n]) for n, a in by.items()]
         if self.attention:
             conv = "causal pairs" if self.causal else "all pairs (PaLM)"
@@ -285,12 +291,18 @@ def _layers(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     except Exception:  # noqa: BLE001 - older transformers, or none
         GradientCheckpointingLayer = None  # noqa: N806
     names = set(getattr(model, "_no_split_modules", None) or ())
-    out = []
+    found: Dict[str, List[Tuple[str, nn.Module]]] = {"gc": [], "named": []}
     for path, mod in model.named_modules():
-        if (GradientCheckpointingLayer is not None and isinstance(mod, GradientCheckpointingLayer)) or \
-                type(mod).__name__ in names:
-            if not any(path.startswith(p + ".") for p, _ in out):
-                out.append((path, mod))
+        if not path.rsplit(".", 1)[-1].isdigit():
+            continue  # a repeated block sits in a ModuleList / ModuleDict under its index
+        if GradientCheckpointingLayer is not None and isinstance(mod, GradientCheckpointingLayer):
+            found["gc"].append((path, mod))
+        elif type(mod).__name__ in names:
+            found["named"].append((path, mod))
+    out: List[Tuple[str, nn.Module]] = []
+    for path, mod in found["gc"] or found["named"]:
+        if not any(path.startswith(p + ".") for p, _ in out):
+            out.append((path, mod))
     return out
 
 
@@ -370,19 +382,14 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
         side = "encoder" if ".encoder." in f".{path}." and family == "encoder-decoder" else "decoder"
         layer_of[path] = (idx, side, mod)
 
-    # first-layer Q/K/V need no input gradient when nothing before them is trainable
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    emb_frozen = emb is not None and all(not p.requires_grad for p in emb.parameters()) and family != "vision"
-    first_layers = set()
-    if emb_frozen:
-        by_side: Dict[str, Tuple[int, str]] = {}
-        for path, (idx, side, mod) in layer_of.items():
-            if side not in by_side or idx < by_side[side][0]:
-                by_side[side] = (idx, path)
-        for side, (idx, path) in by_side.items():
-            mod = layer_of[path][2]
-            if idx == 0 and all(not p.requires_grad for p in mod.parameters() if p.dim() == 1):
-                first_layers.add(path)
+    # Which matmuls need an input gradient: those with a trainable parameter upstream. Upstream is
+    # approximated by registration order (the forward order of every family here), except for a layer's
+    # Q/K/V projections, whose input is the layer's input: upstream there is what comes before the layer
+    # plus the layer's norms.
+    layer_norm_trainable = {lp: any(p.requires_grad for n, p in mod.named_parameters()
+                                    if p.dim() == 1 and ("norm" in n or "ln" in n))
+                            for lp, (_, _, mod) in layer_of.items()}
+    trainable_before_layer: Dict[str, bool] = {}
 
     def layer_for(path: str) -> Optional[str]:
         return next((lp for lp in layer_of if path == lp or path.startswith(lp + ".")), None)
@@ -395,12 +402,22 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
 
     matmuls: List[Matmul] = []
     routed_seen = False
+    upstream = False  # a trainable parameter registered before this module
+    inactive = _inactive_adapters(model)
+    layer_trainable: Dict[str, bool] = {}
     for path, mod in model.named_modules():
+        if any(path == pre or path.startswith(pre + ".") for pre in inactive):
+            continue  # merged or disabled adapter weights do not run
         own = [(n, p) for n, p in mod.named_parameters(recurse=False) if p is not None]
+        lp = layer_for(path)
+        if lp is not None and lp not in trainable_before_layer:
+            trainable_before_layer[lp] = upstream
+        if lp is not None:
+            layer_trainable[lp] = layer_trainable.get(lp, False) or any(p.requires_grad for _, p in own)
+        before, upstream = upstream, upstream or any(p.requires_grad for _, p in own)
         if not own or isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
             continue
         parts = path.split(".")
-        lp = layer_for(path)
         in_experts = "experts" in parts
         cls = type(mod).__name__
         for pname, p in own:
@@ -410,7 +427,7 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
             n = float(p.numel())
             if _is_dtensor(p) and tp > 1:
                 n /= tp
-            runs_on, input_grad = "target", True
+            runs_on, input_grad = "target", before
             if in_experts:
                 if top_k is None or n_exp is None:
                     raise UnknownArchitecture(f"{full}: experts without num_experts_per_tok / num_local_experts "
@@ -436,29 +453,31 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
                     runs_on = "source"
             if comp == "head" and (parts[0] == "pooler" or "pooler" in parts or (seq_cls and "classifier" in parts)):
                 runs_on = "sequence"
-            if lp in first_layers and any(q in parts for q in _QKV_NAMES) and not any(c in parts for c in _CROSS_NAMES):
-                input_grad = False
+            if lp is not None and comp != "patch embedding" and any(q in parts for q in _QKV_NAMES) and \
+                    "lora_B" not in parts and not any(c in parts for c in _CROSS_NAMES):
+                input_grad = trainable_before_layer[lp] or layer_norm_trainable[lp]
             matmuls.append(Matmul(full, comp, n, bool(p.requires_grad), runs_on, input_grad, recomputed(lp)))
+    matmuls = _early_stopped_recomputation(matmuls, layer_of, layer_for)
     if n_exp and top_k and not routed_seen and mt not in ("",):
         notes = [f"config names {n_exp} experts (top {top_k}) but no 'experts' module holds weights"]
     else:
         notes = []
-    matmuls = _skip_inactive_adapters(model, matmuls)
 
     attention: List[AttentionLayer] = []
     for lp, (idx, side, mod) in layer_of.items():
+        bwd = trainable_before_layer.get(lp, True) or layer_trainable.get(lp, True)
         heads, head_dim = _heads(cfg, family, side)
         width = heads * head_dim / tp
         if family == "decoder":
             kind, window = _layer_kind(cfg, idx)
-            attention.append(AttentionLayer(idx, "causal", width, kind, window, recomputed(lp)))
+            attention.append(AttentionLayer(idx, "causal", width, kind, window, recomputed(lp), backward=bwd))
         elif family == "encoder-decoder":
             role = "bidirectional" if side == "encoder" else "causal"
-            attention.append(AttentionLayer(idx, role, width, "full", None, recomputed(lp)))
+            attention.append(AttentionLayer(idx, role, width, "full", None, recomputed(lp), side == "encoder", bwd))
             if side == "decoder":
-                attention.append(AttentionLayer(idx, "cross", width, "full", None, recomputed(lp)))
+                attention.append(AttentionLayer(idx, "cross", width, "full", None, recomputed(lp), backward=bwd))
         else:
-            attention.append(AttentionLayer(idx, "bidirectional", width, "full", None, recomputed(lp)))
+            attention.append(AttentionLayer(idx, "bidirectional", width, "full", None, recomputed(lp), backward=bwd))
 
     patch, default = None, None
     if family == "vision":
@@ -473,6 +492,36 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
             default = Lengths((img[0] // patch[0]) * (img[1] // patch[1]) + VISION_TYPES[mt])
     return ArchitectureModel(family, mt, matmuls, attention, causal=causal, cp=cp, patch_size=patch,
                              extra_tokens=VISION_TYPES.get(mt, 0), default_lengths=default, notes=notes)
+
+
+def _early_stopped_recomputation(matmuls: List[Matmul], layer_of: Mapping[str, Any], layer_for: Any) -> List[Matmul]:
+    """Non-reentrant checkpointing stops recomputing once the last saved tensor is rebuilt.
+
+    ``torch.utils.checkpoint`` with ``use_reentrant=False`` (Hugging Face's default) and early
+    stopping on (torch's default) never re-runs a layer's last matmul: its output is not saved for the
+    backward. We take the layer's last weight matmul in registration order (the MLP's output
+    projection in every family here) as that one.
+    """
+    try:
+        import torch.utils.checkpoint as ckpt
+
+        early = bool(getattr(ckpt, "_checkpoint_early_stop", None) is None or ckpt._checkpoint_early_stop)
+    except Exception:  # noqa: BLE001
+        early = True
+    if not early:
+        return matmuls
+    out = list(matmuls)
+    seen = set()
+    for i in range(len(out) - 1, -1, -1):
+        mm = out[i]
+        lp = layer_for(mm.path)
+        if lp is None or lp in seen or not mm.recomputed:
+            continue
+        seen.add(lp)
+        func = getattr(layer_of[lp][2], "_gradient_checkpointing_func", None)
+        if getattr(func, "keywords", {}).get("use_reentrant", True) is False:
+            out[i] = Matmul(mm.path, mm.component, mm.params, mm.trainable, mm.runs_on, mm.input_grad, False)
+    return out
 
 
 def _heads(cfg: Any, family: str, side: str) -> Tuple[int, int]:
@@ -503,22 +552,20 @@ def _component(parts: List[str], family: str) -> str:
     return "mlp"
 
 
-def _skip_inactive_adapters(model: nn.Module, matmuls: List[Matmul]) -> List[Matmul]:
-    """Drop PEFT adapter weights that do not run: merged into the base weight, or adapters disabled."""
-    skip: List[str] = []
+def _inactive_adapters(model: nn.Module) -> List[str]:
+    """Module paths of PEFT adapter weights that do not run: merged into the base weight, or disabled."""
+    out: List[str] = []
     for path, mod in model.named_modules():
         if not hasattr(mod, "lora_A") or not hasattr(mod, "merged"):
             continue
         try:
-            inactive = bool(mod.merged) or bool(getattr(mod, "disable_adapters", False))
+            off = bool(mod.merged) or bool(getattr(mod, "disable_adapters", False))
         except Exception:  # noqa: BLE001
             continue
-        if inactive:
-            skip += [f"{path}.{n}." if path else f"{n}." for n in ("lora_A", "lora_B", "lora_embedding_A",
-                                                                  "lora_embedding_B", "lora_magnitude_vector")]
-    if not skip:
-        return matmuls
-    return [m for m in matmuls if not any(m.path.startswith(s) for s in skip)]
+        if off:
+            out += [f"{path}.{n}" if path else n for n in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                                                           "lora_magnitude_vector")]
+    return out
 
 
 def trainable_signature(model: nn.Module) -> Tuple[int, int, int]:
