@@ -44,12 +44,12 @@ UNRECOGNISED: "collections.Counter[str]" = collections.Counter()
 # Ops whose tensors are (B, H, T, D), first three arguments q, k, v
 _SDPA_BHTD_FORWARD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                       "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                      "_scaled_dot_product_fused_attention_overrideable")
+                      "_scaled_dot_product_fused_attention_overrideable", "_cudnn_attention_forward")
 # ... and their backwards, first four arguments grad_out, q, k, v
-_SDPA_BHTD_BACKWARD = tuple(n + "_backward" for n in _SDPA_BHTD_FORWARD)
+_SDPA_BHTD_BACKWARD = tuple(n + "_backward" for n in _SDPA_BHTD_FORWARD[:-1]) + ("_cudnn_attention_backward",)
 # Lower-level kernels whose tensors are (B, T, H, D), or (total, H, D) for variable-length batches
-_SDPA_BTHD_FORWARD = ("_flash_attention_forward", "_efficient_attention_forward", "_cudnn_attention_forward")
-_SDPA_BTHD_BACKWARD = ("_flash_attention_backward", "_efficient_attention_backward", "_cudnn_attention_backward")
+_SDPA_BTHD_FORWARD = ("_flash_attention_forward", "_efficient_attention_forward")
+_SDPA_BTHD_BACKWARD = ("_flash_attention_backward", "_efficient_attention_backward")
 _GROUPED_MM = ("_grouped_mm", "_scaled_grouped_mm")
 
 #: every op (aten overload packet name) this module has a formula for
