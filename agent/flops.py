@@ -186,20 +186,29 @@ def _safe_flop_counter_mode() -> Any:
     return SafeFlopCounterMode(display=False, custom_mapping=op_flops.flop_counter_mapping())
 
 
-def _pop_dispatch_mode(mode: Any) -> None:
-    """Take ``mode``'s inner dispatch mode off torch's mode stack if ``__exit__`` left it there."""
-    from torch.utils import _python_dispatch as pd
+def _force_off(mode: Any) -> None:
+    """Switch a ``FlopCounterMode`` off after its ``__exit__`` failed. Never raises.
 
-    inner = getattr(mode, "mode", None)
-    stack = pd._get_current_dispatch_mode_stack() if hasattr(pd, "_get_current_dispatch_mode_stack") else []
-    for _ in range(len(stack)):
+    Takes its dispatch mode off torch's mode stack (only from the top: a mode
+    entered above ours belongs to someone else) and removes the module tracker's
+    global hooks.
+    """
+    try:
+        from torch.utils import _python_dispatch as pd
+
+        inner = getattr(mode, "mode", None)
         stack = pd._get_current_dispatch_mode_stack()
-        if not stack or not any(m is inner or m is mode for m in stack):
-            return
-        if stack[-1] is inner or stack[-1] is mode:
+        while stack and (stack[-1] is inner or stack[-1] is mode):
             pd._pop_mode()
-        else:
-            return  # another mode above ours: leave the stack to its owner
+            stack = pd._get_current_dispatch_mode_stack()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        tracker = getattr(mode, "mod_tracker", None)
+        if tracker is not None:
+            tracker.__exit__()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class StepFlopCounter:
@@ -247,8 +256,9 @@ class StepFlopCounter:
             return 0, 0
         try:
             mode.__exit__(None, None, None)
-        finally:
-            _pop_dispatch_mode(mode)
+        except Exception:
+            _force_off(mode)
+            raise
         failure = getattr(mode, "failure", None)
         if failure is not None:
             raise CountingFailed(f"a FLOP formula failed during the counted step: {type(failure).__name__}: "
@@ -264,11 +274,7 @@ class StepFlopCounter:
         try:
             mode.__exit__(None, None, None)
         except Exception:  # noqa: BLE001
-            pass
-        try:
-            _pop_dispatch_mode(mode)
-        except Exception:  # noqa: BLE001
-            pass
+            _force_off(mode)
 
 
 def split_model_hardware(executed: float, forward: float) -> tuple:
