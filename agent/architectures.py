@@ -218,20 +218,20 @@ class ArchitectureModel:
         if self.family == "encoder-decoder" and not lengths.source:
             raise ValueError("encoder-decoder FLOPs need the source length (input_ids)")
         by: Dict[str, List[float]] = {}
-        formulas: Dict[str, str] = {}
+        factors: Dict[str, Dict[Tuple[int, str], float]] = {}
         for mm in self.matmuls:
-            per_tok = 2.0 + (2.0 if mm.input_grad else 0.0) + (2.0 if mm.trainable else 0.0)
+            per_tok = 2 + (2 if mm.input_grad else 0) + (2 if mm.trainable else 0)
             toks = self._tokens(mm.runs_on, lengths) * sequences
             model = per_tok * mm.params * toks
             hw = model + (2.0 * mm.params * toks if mm.recomputed else 0.0)
-            acc = by.setdefault(mm.component, [0.0, 0.0, 0.0, 0.0])
+            acc = by.setdefault(mm.component, [0.0, 0.0])
             acc[0] += model
             acc[1] += hw
-            acc[2] += mm.params
-            acc[3] += 0.0 if mm.trainable else model
-        for name, acc in by.items():
-            formulas[name] = ("(6 trainable | 4 frozen | 2 without input gradient) x "
-                              f"{acc[2]:,.0f} weights x tokens")
+            f = factors.setdefault(mm.component, {})
+            f[(per_tok, mm.runs_on)] = f.get((per_tok, mm.runs_on), 0.0) + mm.params
+        formulas = {name: " + ".join(f"{k} x {n:,.0f} weights x {self._tokens(on, lengths) * sequences:,.0f} "
+                                     f"{on} tokens" for (k, on), n in sorted(f.items(), key=lambda kv: -kv[0][0]))
+                    for name, f in factors.items()}
         att = [0.0, 0.0]
         for layer in self.attention:
             pairs = self._pairs(layer, lengths) * sequences
