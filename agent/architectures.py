@@ -27,8 +27,9 @@ Per sequence of ``T`` target tokens (``S`` source tokens for encoder-decoders):
   layer when the config has a window and no ``layer_types``), ``Σ c²`` over
   chunks of ``attention_chunk_size`` for ``chunked_attention``, ``T·S`` for
   cross-attention. ``causal=True`` counts only the pairs a causal mask keeps
-  (``T(T+1)/2`` for a full layer); the default (``False``) is PaLM's. A layer
-  with nothing trainable in or before it runs no attention backward.
+  (``T(T+1)/2`` for a full layer); the default (``False``) is PaLM's. The
+  backward runs only the products whose inputs need a gradient (dQ, dK, dP, dV:
+  a frozen first layer under LoRA on Q and V skips dK).
 * **Recomputation** (hardware FLOPs only): one more forward of every layer that
   has ``gradient_checkpointing`` set (as ``gradient_checkpointing_enable()`` does).
 
@@ -92,7 +93,7 @@ class AttentionLayer:
     window: Optional[int] = None
     recomputed: bool = False
     on_source: bool = False  # an encoder layer of an encoder-decoder: its queries are the source tokens
-    backward: bool = True  # False when nothing trainable is upstream of the layer or in it
+    backward_matmuls: int = 4  # of dQ, dK, dP, dV: those whose input requires a gradient
 
 
 @dataclass(frozen=True)
@@ -236,9 +237,9 @@ class ArchitectureModel:
         for layer in self.attention:
             pairs = self._pairs(layer, lengths) * sequences
             fwd = 4.0 * layer.width * pairs
-            total = (3.0 if layer.backward else 1.0) * fwd
+            total = fwd * (1.0 + layer.backward_matmuls / 2.0)  # forward: 2 matmuls; each backward one: 1
             att[0] += total
-            att[1] += total + (fwd if layer.recomputed and layer.backward else 0.0)
+            att[1] += total + (fwd if layer.recomputed and layer.backward_matmuls else 0.0)
         comps = [Component(n, a[0], a[1], formulas[n]) for n, a in by.items()]
         if self.attention:
             conv = "causal pairs" if self.causal else "all pairs (PaLM)"
@@ -465,19 +466,20 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
 
     attention: List[AttentionLayer] = []
     for lp, (idx, side, mod) in layer_of.items():
-        bwd = trainable_before_layer.get(lp, True) or layer_trainable.get(lp, True)
+        bwd = _attention_backward(lp, matmuls, trainable_before_layer.get(lp, True) or layer_trainable.get(lp, True))
         heads, head_dim = _heads(cfg, family, side)
         width = heads * head_dim / tp
         if family == "decoder":
             kind, window = _layer_kind(cfg, idx)
-            attention.append(AttentionLayer(idx, "causal", width, kind, window, recomputed(lp), backward=bwd))
+            attention.append(AttentionLayer(idx, "causal", width, kind, window, recomputed(lp), backward_matmuls=bwd))
         elif family == "encoder-decoder":
             role = "bidirectional" if side == "encoder" else "causal"
             attention.append(AttentionLayer(idx, role, width, "full", None, recomputed(lp), side == "encoder", bwd))
             if side == "decoder":
-                attention.append(AttentionLayer(idx, "cross", width, "full", None, recomputed(lp), backward=bwd))
+                attention.append(AttentionLayer(idx, "cross", width, "full", None, recomputed(lp),
+                                                backward_matmuls=4 if bwd else 0))
         else:
-            attention.append(AttentionLayer(idx, "bidirectional", width, "full", None, recomputed(lp), backward=bwd))
+            attention.append(AttentionLayer(idx, "bidirectional", width, "full", None, recomputed(lp), backward_matmuls=bwd))
 
     patch, default = None, None
     if family == "vision":
@@ -492,6 +494,35 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
             default = Lengths((img[0] // patch[0]) * (img[1] // patch[1]) + VISION_TYPES[mt])
     return ArchitectureModel(family, mt, matmuls, attention, causal=causal, cp=cp, patch_size=patch,
                              extra_tokens=VISION_TYPES.get(mt, 0), default_lengths=default, notes=notes)
+
+
+_Q, _K, _V = {"q_proj", "q", "query"}, {"k_proj", "k", "key"}, {"v_proj", "v", "value"}
+_FUSED_QKV = {"qkv_proj", "c_attn", "query_key_value", "W_pack", "Wqkv"}
+
+
+def _attention_backward(lp: str, matmuls: List[Matmul], any_grad: bool) -> int:
+    """How many of the attention backward matmuls (dQ, dK, dP, dV) run in layer ``lp``.
+
+    dQ runs when Q needs a gradient (its projection is trainable or its input needs one), dK likewise,
+    dP when either does, dV when V does. Without recognisable projections: all four, or none when
+    nothing in or before the layer is trainable.
+    """
+    flags = {"q": False, "k": False, "v": False}
+    found = False
+    for mm in matmuls:
+        if not mm.path.startswith(lp + "."):
+            continue
+        parts = set(mm.path.split("."))
+        if parts & set(_CROSS_NAMES):
+            continue
+        grad = mm.trainable or mm.input_grad
+        for key, names in (("q", _Q), ("k", _K), ("v", _V)):
+            if parts & names or parts & _FUSED_QKV:
+                found = True
+                flags[key] = flags[key] or grad
+    if not found:
+        return 4 if any_grad else 0
+    return int(flags["q"]) + int(flags["k"]) + int(flags["q"] or flags["k"]) + int(flags["v"])
 
 
 def _early_stopped_recomputation(matmuls: List[Matmul], layer_of: Mapping[str, Any], layer_for: Any) -> List[Matmul]:
