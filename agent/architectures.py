@@ -343,6 +343,10 @@ def _family(model: nn.Module, cfg: Any) -> str:
         return "encoder"
     if hasattr(cfg, "vision_config") or hasattr(cfg, "text_config") or hasattr(cfg, "audio_config"):
         raise UnknownArchitecture(f"multi-modal model_type {mt!r} has no analytic FLOP rule")
+    if getattr(cfg, "kv_lora_rank", None) or getattr(cfg, "v_head_dim", None):
+        # multi-head latent attention (DeepSeek V2/V3): score and value widths differ from heads x head_dim
+        raise UnknownArchitecture(f"model_type {mt!r}: latent attention (kv_lora_rank / v_head_dim) has no "
+                                  "analytic rule here")
     if any(k in mt for k in ("vit", "swin", "clip", "whisper", "wav2vec", "llava", "deberta", "albert")):
         raise UnknownArchitecture(f"model_type {mt!r} has no analytic FLOP rule")
     return "decoder"

@@ -197,3 +197,29 @@ def test_profile_window_outcomes_other_than_ok_are_counted():
                                           {"run": "t", "rank": "0", "outcome": "skipped_other_profiler"})
     assert a.profiler.windows["skipped_other_profiler"] >= 1
     assert skipped == a.profiler.windows["skipped_other_profiler"]
+
+
+def test_bad_flop_settings_fail_at_start_naming_the_field():
+    from mfuwatch.agent.config import ConfigError
+
+    with pytest.raises(ConfigError, match="attention_flops: expected one of full, causal"):
+        Agent(config=dict(BASE, attention_flops="half"))
+    with pytest.raises(ConfigError, match="context_parallel_size: expected a positive integer"):
+        Agent(config=dict(BASE, context_parallel_size=0))
+
+
+def test_causal_option_and_breakdown_of_an_unknown_model():
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))
+    full = Agent(m, config=dict(BASE, flops_per_step=None))
+    causal = Agent(m, config=dict(BASE, attention_flops="causal"))
+    full._seq_len = causal._seq_len = 8
+    d, T = 32, 8
+    assert full.flops_per_step(T)[0] - causal.flops_per_step(T)[0] == 12 * d * (T * T - T * (T + 1) // 2)
+    full.close()
+    causal.close()
+    m.model.layers[0].mlp.mystery = torch.nn.Parameter(torch.zeros(3, 3))
+    a = Agent(m, config=BASE)
+    text = a.flops_breakdown(print_it=False)
+    a.close()
+    assert a.run_info.flops_source == "flop_counter" and "mystery" in text and "not used" in text
