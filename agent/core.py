@@ -435,15 +435,18 @@ class Agent:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
         return self.flop_model.flops_per_step(tokens_per_step, self._seq_len)
 
-    def flops_breakdown(self, print_it: bool = True) -> str:
+    def flops_breakdown(self, print_it: bool = True, count: bool = False) -> str:
         """The FLOP number explained: source, per-component FLOPs of one step and the formula of each.
 
         Uses the latest report's tokens per step (one sequence before the first report).
-        Returns the text; prints it too unless ``print_it`` is false.
+        ``count=True`` adds FlopCounterMode's count of one step of the model rebuilt from its
+        Hugging Face config on the meta device (no memory, no compute; adapters added after
+        loading are not in the rebuild) and the compute ops that counted 0. Call it off the hot
+        path. Returns the text; prints it too unless ``print_it`` is false.
         """
         m = self.latest
         tokens = m.tokens / m.steps if (m is not None and m.steps) else None
-        text = self.flop_model.breakdown(tokens, self._seq_len)
+        text = self.flop_model.breakdown(tokens, self._seq_len, count=count)
         if print_it:
             print(text)
         return text

@@ -484,9 +484,42 @@ class FlopModel:
             return self.model_flops_per_token * tokens_per_step, self.hw_flops_per_token * tokens_per_step
         return None, None
 
-    def breakdown(self, tokens_per_step: Optional[float] = None, seq_len: Optional[int] = None) -> str:
-        """Text: per-component FLOPs of one step and the formula of each (see :func:`flops_breakdown_text`)."""
-        return flops_breakdown_text(self, tokens_per_step, seq_len)
+    def breakdown(self, tokens_per_step: Optional[float] = None, seq_len: Optional[int] = None,
+                  count: bool = False) -> str:
+        """Text: per-component FLOPs of one step and the formula of each (see :func:`flops_breakdown_text`).
+
+        ``count``: also count one step of the model rebuilt from its config on the meta device.
+        """
+        text = flops_breakdown_text(self, tokens_per_step, seq_len)
+        if count:
+            text += "\n" + self._counted_line(tokens_per_step, seq_len)
+        return text
+
+    def _counted_line(self, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
+        """FlopCounterMode on a meta-device rebuild from ``model.config``, beside the analytic value."""
+        from . import flops_cli
+        from .architectures import Lengths
+
+        cfg = getattr(self.model, "config", None)
+        if cfg is None:
+            return "counted: not available (the model has no Hugging Face config to rebuild it from)"
+        lengths = self._arch_lengths(seq_len) if self.arch is not None else (Lengths(seq_len) if seq_len else None)
+        if lengths is None:
+            return "counted: not available (no training forward seen yet)"
+        arch = self.arch
+        units = arch.units_per_sequence(lengths) if arch is not None else float(lengths.target)
+        seqs = max(1, round(tokens_per_step / units)) if tokens_per_step and units else 1
+        try:
+            counted, untracked, where = flops_cli.count_from_config(cfg, arch, seqs, lengths.target, lengths.source)
+        except Exception as exc:  # noqa: BLE001
+            counted, untracked, where = None, [], f"{type(exc).__name__}: {exc}"
+        if counted is None:
+            return f"counted: not available ({where})"
+        line = f"counted (FlopCounterMode, {where} rebuild from the config, {seqs} sequences): {counted:.4g} FLOPs"
+        if arch is not None:
+            _, hw, _ = arch.step_flops(lengths, seqs)
+            line += f"; analytic hardware FLOPs {hw:.4g}" + (f" (ratio {hw / counted:.3f})" if counted else "")
+        return line + "\nuntracked ops (counted 0): " + (", ".join(untracked) if untracked else "none")
 
 
 def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:

@@ -57,7 +57,8 @@ def _auto_class(cfg: Any) -> Any:
 
 
 def build_model(cfg: Any, device: str = "meta") -> Any:
-    """The model of ``cfg`` with eager attention on ``device`` ("meta": shapes only, no memory)."""
+    """The model of ``cfg`` with eager attention on ``device`` ("meta": shapes only, no memory; in bf16,
+    which grouped-mm experts require). Sets ``cfg``'s attention implementation: pass a copy."""
     import torch
 
     try:
@@ -66,8 +67,33 @@ def build_model(cfg: Any, device: str = "meta") -> Any:
         pass
     with torch.device(device):
         model = _auto_class(cfg).from_config(cfg)
+    if device == "meta":
+        model = model.to(torch.bfloat16)
     model.train()
     return model
+
+
+def count_from_config(cfg: Any, arch: Any, batch: int, seq_len: int, source_len: Optional[int],
+                      gradient_checkpointing: bool = False, max_cpu_params: int = 200_000_000
+                      ) -> Tuple[Optional[int], List[str], str]:
+    """``(FLOPs or None, untracked ops, where or why not)`` of one step of ``cfg``'s model: meta device
+    first, the CPU for models up to ``max_cpu_params`` when an op cannot run on meta tensors."""
+    import copy
+
+    why = ""
+    for device in ("meta", "cpu"):
+        try:
+            m = build_model(copy.deepcopy(cfg), device)
+            n = sum(p.numel() for p in m.parameters())
+            if device == "cpu" and n > max_cpu_params:
+                return None, [], f"{why}; too large for the CPU ({n:,} parameters)"
+            if gradient_checkpointing and hasattr(m, "gradient_checkpointing_enable"):
+                m.gradient_checkpointing_enable()
+            counted, untracked = count_step(m, example_inputs(m, arch, batch, seq_len, source_len, device))
+            return counted, untracked, device
+        except Exception as exc:  # noqa: BLE001 - e.g. a data-dependent op on meta tensors
+            why = (why + "; " if why else "") + f"{device}: {type(exc).__name__}: {str(exc)[:160]}"
+    return None, [], why
 
 
 def example_inputs(model: Any, arch: Any, batch: int, seq_len: int, source_len: Optional[int],
@@ -80,7 +106,9 @@ def example_inputs(model: Any, arch: Any, batch: int, seq_len: int, source_len: 
     if arch is not None and arch.family == "vision":
         size = getattr(cfg, "image_size", 224)
         size = (size, size) if isinstance(size, int) else tuple(size)
-        return {"pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), *size, device=device),
+        dtype = next(model.parameters()).dtype
+        return {"pixel_values": torch.randn(batch, getattr(cfg, "num_channels", 3), *size, device=device,
+                                            dtype=dtype),
                 "labels": torch.zeros(batch, dtype=torch.long, device=device)}
     ids = torch.randint(0, vocab, (batch, source_len or seq_len), device=device)
     if arch is not None and arch.family == "encoder-decoder":
@@ -164,22 +192,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{type(model).__name__} ({arch.family}, model_type {arch.model_type}), {args.batch} x {lengths}")
         print(A.describe(arch, lengths, args.batch))
     if args.count:
-        counted, untracked, where = None, [], ""
-        for device in ("meta", "cpu"):
-            try:
-                m = model if device == "meta" else build_model(cfg, "cpu")
-                n = sum(p.numel() for p in m.parameters())
-                if device == "cpu" and n > 200_000_000:
-                    where = f"too large for the CPU ({n:,} parameters) and the meta device failed"
-                    break
-                if args.gradient_checkpointing and device == "cpu":
-                    m.gradient_checkpointing_enable()
-                counted, untracked = count_step(m, example_inputs(m, arch, args.batch, args.seq_len,
-                                                                  args.source_len, device))
-                where = device
-                break
-            except Exception as exc:  # noqa: BLE001 - e.g. a data-dependent op on meta tensors
-                where = f"{device}: {type(exc).__name__}: {exc}"
+        counted, untracked, where = count_from_config(cfg, arch, args.batch, args.seq_len, args.source_len,
+                                                      args.gradient_checkpointing)
         if counted is None:
             print(f"counted: not available ({where})")
         else:

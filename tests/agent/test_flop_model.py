@@ -66,6 +66,8 @@ def test_mixtral_through_the_agent_within_2_percent_and_breakdown():
     assert a.latest.model_flops == pytest.approx(truth, rel=0.02)
     text = a.flops_breakdown(print_it=False)
     assert "experts (routed)" in text and "router" in text and "attention scores" in text
+    counted = a.flops_breakdown(print_it=False, count=True)  # a rebuild from the config, counted
+    assert "ratio 1.000" in counted and "untracked ops (counted 0): none" in counted, counted
 
 
 def test_vit_through_the_agent_counts_images_and_patch_tokens():
