@@ -372,6 +372,9 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
     layers = _layers(model)
     if not layers:
         raise UnknownArchitecture("no repeated transformer layers found")
+    if any(type(p).__name__ == "FlatParameter" or getattr(p, "_is_flat_param", False) for p in model.parameters()):
+        raise UnknownArchitecture("FSDP (1) flat parameters: the weights' shapes are gone (read the model before "
+                                  "wrapping it, as the framework integrations do)")
     tp = tp_size_from_params(model) if tp is None else int(tp)
     if tp < 1 or cp < 1:
         raise ValueError(f"tp and cp must be >= 1, got tp={tp} cp={cp}")
@@ -462,6 +465,8 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
                     "lora_B" not in parts and not any(c in parts for c in _CROSS_NAMES):
                 input_grad = trainable_before_layer[lp] or layer_norm_trainable[lp]
             matmuls.append(Matmul(full, comp, n, bool(p.requires_grad), runs_on, input_grad, recomputed(lp)))
+    if not matmuls:
+        raise UnknownArchitecture("no weight matmul found")
     matmuls = _early_stopped_recomputation(matmuls, layer_of, layer_for)
     if n_exp and top_k and not routed_seen and mt not in ("",):
         notes = [f"config names {n_exp} experts (top {top_k}) but no 'experts' module holds weights"]

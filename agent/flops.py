@@ -129,9 +129,10 @@ def ensure_cpu_sdpa_flop_formulas() -> None:
 
     On the CPU, ``F.scaled_dot_product_attention`` dispatches to
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``),
-    which have no entry in torch's FLOP registry, so attention FLOPs silently
-    vanish. We register torch's own SDPA formulas (``sdpa_flop_count``:
-    4·B·H·Tq·Tk·D forward; ``sdpa_backward_flop_count``: twice that) for them.
+    which have no entry in older torch's FLOP registry, so attention FLOPs silently
+    vanish. We register our formulas (:mod:`.op_flops`: 4·B·Hq·Tq·Tk·D forward,
+    10·B·Hq·Tq·Tk·D backward) for them, globally, for code that runs its own
+    ``FlopCounterMode``; the agent's counter passes them as ``custom_mapping`` instead.
     Idempotent; does nothing if the ops are missing or already registered.
     """
     global _SDPA_REGISTERED
@@ -143,17 +144,12 @@ def ensure_cpu_sdpa_flop_formulas() -> None:
     fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     registry = getattr(fc, "flop_registry", {})
-    if fwd is not None and fwd not in registry and fwd.default not in registry:
+    from . import op_flops
 
-        @fc.register_flop_formula(fwd)
-        def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
-
-    if bwd is not None and bwd not in registry and bwd.default not in registry:
-
-        @fc.register_flop_formula(bwd)
-        def _cpu_sdpa_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    for op, name in ((fwd, "_scaled_dot_product_flash_attention_for_cpu"),
+                     (bwd, "_scaled_dot_product_flash_attention_for_cpu_backward")):
+        if op is not None and op not in registry and op.default not in registry:
+            fc.register_flop_formula(op)(op_flops._shape_formula(name))  # ours: grouped-query shapes too
 
 
 class CountingFailed(RuntimeError):
@@ -327,6 +323,7 @@ class FlopModel:
         self.hw_flops_per_token: Optional[float] = None
         self.lengths: Any = None  # architectures.Lengths of the latest training forward
         self._signature: Any = None
+        self._adopted = False  # an architecture read from the unwrapped model: the live one is not re-read
         cfg = config
         if cfg.flops_per_step is not None:
             self.source = "user"
@@ -369,9 +366,20 @@ class FlopModel:
         except architectures.UnknownArchitecture as exc:
             self.arch, self.reason = None, str(exc)
 
+    def adopt(self, arch: Any) -> bool:
+        """Use ``arch`` (read from the unwrapped model, e.g. before FSDP flattened it) when the live model
+        gave no analytic formula. Returns whether it was taken; the live model is then not re-read."""
+        if arch is None or self.source != "flop_counter":
+            return False
+        self.close()
+        self.arch, self.source, self._adopted = arch, "analytic", True
+        arch.causal = self.config.attention_flops == "causal"
+        arch.cp = self.config.context_parallel_size
+        return True
+
     def refresh(self) -> None:
         """Re-read the model when its trainable set changed (agent thread; a walk over the parameters)."""
-        if self.arch is None or self.model is None:
+        if self.arch is None or self.model is None or self._adopted:
             return
         from . import architectures
 

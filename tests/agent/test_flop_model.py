@@ -225,3 +225,20 @@ def test_causal_option_and_breakdown_of_an_unknown_model():
     text = a.flops_breakdown(print_it=False)
     a.close()
     assert a.run_info.flops_source == "flop_counter" and "mystery" in text and "not used" in text
+
+
+def test_an_architecture_read_before_wrapping_is_adopted():
+    # the framework integrations read the model before FSDP (1) flattens it, then hand the reading over
+    from mfuwatch.agent import architectures as A
+
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))
+    before = A.from_model(m)
+    m.model.layers[0].mlp.flat = torch.nn.Parameter(torch.zeros(3, 3))  # stands in for shapes the wrapper hid
+    a = Agent(m, config=BASE)
+    assert a.flop_model.source == "flop_counter"
+    assert a.flop_model.adopt(before) and a.flop_model.source == "analytic" and a.flop_model.counter is None
+    a._seq_len = 8
+    expected = before.step_flops(A.Lengths(8), 2)[0]
+    assert a.flops_per_step(16)[0] == expected  # and no re-read of the live (wrapped) model
+    a.close()
