@@ -1,4 +1,4 @@
-"""The ``mfuwatch`` command line: ``demo``, ``analyze``, ``report`` and ``alerts``.
+"""The ``mfuwatch`` command line: ``demo``, ``analyze``, ``report``, ``alerts`` and ``flops``.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this
 dispatcher imports only the one asked for, so ``mfuwatch analyze`` and
@@ -17,6 +17,7 @@ COMMANDS = {
     "analyze": ("mfuwatch.agent.analysis.analyze", "time breakdown, top ops and suggestions of a torch.profiler trace"),
     "report": ("mfuwatch.agent.report.html", "a self-contained HTML report from an agent timeline (JSONL)"),
     "alerts": ("mfuwatch.alerts.cli", "alert rules: render Prometheus rules, check a config"),
+    "flops": ("mfuwatch.agent.flops_cli", "FLOPs of one training step of a Hugging Face model, per component"),
 }
 
 

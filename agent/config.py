@@ -25,6 +25,7 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: Upper bounds of the profiler window: Kineto buffers every event of the recorded steps in memory, so
 #: memory grows with them; 50 steps is already minutes of a large job.
 MAX_PROFILE_STEPS = 50
+ATTENTION_FLOPS = ("full", "causal")  # conventions for the attention-score FLOPs (docs/flops.md)
 
 
 class ConfigError(ValueError):
@@ -74,6 +75,9 @@ class AgentConfig:
     flops_per_step: Optional[float] = None  # model FLOPs per optimizer step, when the user knows it
     hardware_flops_per_step: Optional[float] = None  # executed FLOPs per step (recomputation included)
     model_shape: Optional[ModelShape] = None  # enables the analytic FLOP formula
+    attention_flops: str = "full"  # "full": every (query, key) pair, as PaLM; "causal": only those a causal mask keeps
+    tensor_parallel_size: Optional[int] = None  # TP degree for the FLOP model; None = from DTensor meshes ("tp"), else 1
+    context_parallel_size: int = 1  # CP degree: each rank's sequence is 1/CP of the attended one
     tokens_per_step: Optional[int] = None  # overrides counting tokens from the model's inputs
     peak_flops: Optional[float] = None  # FLOP/s of one device for the training dtype; overrides the table
     dtype: Optional[str] = None  # training dtype override: one of DTYPES
@@ -235,6 +239,13 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"model_shape.{k}: expected a positive integer, got {v!r}")
         cfg.model_shape = ModelShape(**ms)
+    if cfg.attention_flops not in ATTENTION_FLOPS:
+        raise ConfigError(f"attention_flops: expected one of {', '.join(ATTENTION_FLOPS)}, got {cfg.attention_flops!r}")
+    for name in ("tensor_parallel_size", "context_parallel_size"):
+        v = getattr(cfg, name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"{name}: expected a positive integer{' or null' if name.startswith('t') else ''}, "
+                              f"got {v!r}")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)} or null, got {cfg.dtype!r}")
     for name in ("calibrate", "nvml"):

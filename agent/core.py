@@ -30,7 +30,7 @@ from torch import nn
 from . import flops as flops_mod
 from . import calibrate, peaks
 from .clock import Interval, StepClock
-from .config import AgentConfig, ConfigError, load_config
+from .config import AgentConfig, load_config
 from .errors import ErrorCounter
 from .exporter import Exporter
 from .schema import GpuHealth, RunInfo, StepMeasurement, WindowMeasurement, to_record
@@ -126,21 +126,16 @@ class Agent:
         self._seq_len: Optional[int] = None
         self._pending_loss: Any = None
         self._dtype_key: Optional[str] = cfg.dtype
-        self._flop_counter: Optional[flops_mod.StepFlopCounter] = None
         self._explicit_warned = False
         self._clock_started = False
 
-        # FLOP model
-        self._flops_source = ""
-        self._model_flops_per_token: Optional[float] = None
-        self._hw_flops_per_token: Optional[float] = None
-        self._shape: Optional[flops_mod.TransformerShape] = None
-        self._init_flop_model(model)
+        self._last_gpu_write = 0.0  # before the NVML thread starts: its first sample may come at once
+        self.flop_model = flops_mod.FlopModel(model, cfg, self.errors)
 
         self.run_info = RunInfo(
             run=cfg.run, rank=cfg.rank, local_rank=cfg.local_rank, world_size=cfg.world_size,
             host=socket.gethostname(), device=str(self.device), gpu_name=self._gpu_name(),
-            dtype=self._dtype_key or "", flops_source=self._flops_source,
+            dtype=self._dtype_key or "", flops_source=self.flop_model.source,
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
         self._peak: Optional[float] = None
@@ -198,7 +193,6 @@ class Agent:
         self._install_hooks(model, optimizer)
         self._write(to_record("run", self.run_info))
         self._run_info_dirty = False
-        self._last_gpu_write = 0.0
         self._acc = _ReportSums()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
         self._thread.start()
@@ -251,38 +245,6 @@ class Agent:
             except Exception as exc:  # noqa: BLE001
                 self.errors.count("device", exc)
         return ""
-
-    def _init_flop_model(self, model: Optional[nn.Module]) -> None:
-        cfg = self.config
-        if cfg.flops_per_step is not None:
-            self._flops_source = "user"
-            return
-        shape = None
-        try:
-            if cfg.model_shape is not None:
-                ms = cfg.model_shape
-                n = ms.n_params if ms.n_params is not None else (
-                    flops_mod.count_matmul_params(model) if model is not None else None)
-                if n is None:
-                    raise ConfigError("model_shape.n_params: required when no model is given")
-                shape = flops_mod.TransformerShape(ms.n_layers, ms.d_model, n, ms.seq_len,
-                                                   flops_mod.uses_activation_checkpointing(model))
-            elif model is not None:
-                shape = flops_mod.shape_from_hf_config(model)
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            self.errors.count("flops", exc)
-        if shape is not None:
-            self._shape = shape
-            self._flops_source = "analytic"
-        elif model is not None:
-            self._flops_source = "flop_counter"
-            self._flop_counter = flops_mod.StepFlopCounter()
-        else:
-            self._flops_source = ""
-            log.warning("mfuwatch: no model, no flops_per_step and no model_shape: MFU is not reported "
-                        "(pass flops_per_step=... or model_shape={'n_layers':..,'d_model':..,'n_params':..})")
 
     def _resolve_gpu_peaks(self) -> None:
         """The GPU's :class:`peaks.Peaks` from the one resolver (NVML PCI id first, else the CUDA name).
@@ -391,6 +353,7 @@ class Agent:
                 top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
                 shared_key=(f"window|{self.config.run}|{socket.gethostname()}"
                             if self.config.world_size > 1 and self.device.type == "cpu" else None),
+                on_outcome=self.exporter.count_window,  # ok, error, skipped_other_profiler, too_large
             )
         except Exception as exc:  # noqa: BLE001
             self.errors.count("profiler", exc)
@@ -421,24 +384,13 @@ class Agent:
                 self.clock.start()  # time the first step from its first forward
             if self._dtype_key is None:
                 self._detect_dtype(module)
-            fc = self._flop_counter
-            if fc is not None:
-                if not fc.active and self._step >= 1 and self._model_flops_per_token is None:
-                    fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
-                fc.mark_forward_start()
+            self.flop_model.on_forward_start(args, kwargs, self._step)  # never raises
         except Exception as exc:  # noqa: BLE001
-            self._flop_abort()
             self.errors.count("hooks", exc)
         return None
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        try:
-            fc = self._flop_counter
-            if fc is not None and fc.active:
-                fc.mark_forward_end()
-        except Exception as exc:  # noqa: BLE001
-            self._flop_abort()
-            self.errors.count("hooks", exc)
+        self.flop_model.on_forward_end()  # never raises
         return None
 
     def _detect_dtype(self, module: nn.Module) -> None:
@@ -458,12 +410,6 @@ class Agent:
         self._run_info_dirty = True
         if self._peak is None:
             self._choose_mfu_peak()
-
-    def _flop_abort(self) -> None:
-        fc = self._flop_counter
-        if fc is not None and fc.active:
-            fc.abort()
-            self._flop_counter = None  # give up counting; MFU stays unreported
 
     def _post_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._boundary(None, None)
@@ -518,17 +464,7 @@ class Agent:
                 loss, self._pending_loss = self._pending_loss, None
             elif isinstance(loss, torch.Tensor):
                 loss = loss.detach()
-            fc = self._flop_counter
-            if fc is not None and fc.active:
-                executed, forward = fc.finish()
-                self._flop_counter = None
-                if tokens and executed:
-                    model, hw = flops_mod.split_model_hardware(executed, forward)
-                    self._model_flops_per_token = model / tokens
-                    self._hw_flops_per_token = hw / tokens
-                else:
-                    log.warning("mfuwatch: FlopCounterMode counted %d FLOPs over %d tokens; MFU is not reported "
-                                "(pass flops_per_step=...)", executed, tokens or 0)
+            self.flop_model.on_step_end(tokens)  # never raises; always leaves FlopCounterMode
             self.clock.mark(self._step, int(tokens or 0), loss)
             prof = self.profiler
             if prof is not None:
@@ -577,23 +513,23 @@ class Agent:
 
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
-        cfg = self.config
-        if cfg.flops_per_step is not None:
-            return cfg.flops_per_step, cfg.hardware_flops_per_step or cfg.flops_per_step
-        if self._shape is not None:
-            s = self._shape
-            seq = s.seq_len or self._seq_len
-            if not seq:
-                return None, None
-            per_tok = flops_mod.analytic_flops_per_token(s.n_params, s.n_layers, s.d_model, seq)
-            model = per_tok * tokens_per_step
-            if cfg.hardware_flops_per_step is not None:
-                return model, cfg.hardware_flops_per_step
-            hw = model * (4.0 / 3.0) if s.gradient_checkpointing else model
-            return model, hw
-        if self._model_flops_per_token is not None:
-            return self._model_flops_per_token * tokens_per_step, self._hw_flops_per_token * tokens_per_step
-        return None, None
+        return self.flop_model.flops_per_step(tokens_per_step, self._seq_len)
+
+    def flops_breakdown(self, print_it: bool = True, count: bool = False) -> str:
+        """The FLOP number explained: source, per-component FLOPs of one step and the formula of each.
+
+        Uses the latest report's tokens per step (one sequence before the first report).
+        ``count=True`` adds FlopCounterMode's count of one step of the model rebuilt from its
+        Hugging Face config on the meta device (no memory, no compute; adapters added after
+        loading are not in the rebuild) and the compute ops that counted 0. Call it off the hot
+        path. Returns the text; prints it too unless ``print_it`` is false.
+        """
+        m = self.latest
+        tokens = m.tokens / m.steps if (m is not None and m.steps) else None
+        text = self.flop_model.breakdown(tokens, self._seq_len, count=count)
+        if print_it:
+            print(text)
+        return text
 
     def _report(self) -> None:
         acc, self._acc = self._acc, _ReportSums()
@@ -646,7 +582,6 @@ class Agent:
         self.latest_window = window
         with self.errors.guard("exporter"):
             self.exporter.collector.update(window=window)
-            self.exporter.count_window("ok")
         self._write(to_record("window", window))
         if self.alerts is not None:
             with self.errors.guard("alerts"):
@@ -668,8 +603,7 @@ class Agent:
             with self.errors.guard("close"):
                 h.remove()
         self._handles.clear()
-        if self._flop_counter is not None:
-            self._flop_counter.abort()
+        self.flop_model.close()
         if self.device.type == "cuda":
             # let the last boundaries complete so the final interval is reported (close() is off the hot path)
             with self.errors.guard("close"):

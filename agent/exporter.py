@@ -119,6 +119,7 @@ class MeasurementCollector(Collector):
             (M.GPU_MEMORY_UTILIZATION, "NVML memory utilization (share of time device memory was read or written)",
              gpu.memory_bandwidth_utilization),
             (M.GPU_SM_CLOCK_HERTZ, "SM clock", gpu.sm_clock_hertz),
+            (M.GPU_SM_CLOCK_MAX_HERTZ, "Maximum SM clock (NVML)", gpu.sm_clock_max_hertz),
             (M.GPU_POWER_WATTS, "Board power draw", gpu.power_watts),
             (M.GPU_POWER_LIMIT_WATTS, "Enforced power limit", gpu.power_limit_watts),
             (M.GPU_TEMPERATURE_CELSIUS, "GPU temperature", gpu.temperature_celsius),

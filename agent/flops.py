@@ -129,9 +129,10 @@ def ensure_cpu_sdpa_flop_formulas() -> None:
 
     On the CPU, ``F.scaled_dot_product_attention`` dispatches to
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its ``_backward``),
-    which have no entry in torch's FLOP registry, so attention FLOPs silently
-    vanish. We register torch's own SDPA formulas (``sdpa_flop_count``:
-    4·B·H·Tq·Tk·D forward; ``sdpa_backward_flop_count``: twice that) for them.
+    which have no entry in older torch's FLOP registry, so attention FLOPs silently
+    vanish. We register our formulas (:mod:`.op_flops`: 4·B·Hq·Tq·Tk·D forward,
+    10·B·Hq·Tq·Tk·D backward) for them, globally, for code that runs its own
+    ``FlopCounterMode``; the agent's counter passes them as ``custom_mapping`` instead.
     Idempotent; does nothing if the ops are missing or already registered.
     """
     global _SDPA_REGISTERED
@@ -143,27 +144,78 @@ def ensure_cpu_sdpa_flop_formulas() -> None:
     fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     registry = getattr(fc, "flop_registry", {})
-    if fwd is not None and fwd not in registry and fwd.default not in registry:
+    from . import op_flops
 
-        @fc.register_flop_formula(fwd)
-        def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+    for op, name in ((fwd, "_scaled_dot_product_flash_attention_for_cpu"),
+                     (bwd, "_scaled_dot_product_flash_attention_for_cpu_backward")):
+        if op is not None and op not in registry and op.default not in registry:
+            fc.register_flop_formula(op)(op_flops._shape_formula(name))  # ours: grouped-query shapes too
 
-    if bwd is not None and bwd not in registry and bwd.default not in registry:
 
-        @fc.register_flop_formula(bwd)
-        def _cpu_sdpa_bwd_flop(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-            return fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+class CountingFailed(RuntimeError):
+    """A FLOP formula raised while the counted step ran; the step itself went on."""
+
+
+def _safe_flop_counter_mode() -> Any:
+    """A ``FlopCounterMode`` subclass whose formula failures are recorded instead of raised into the user's step.
+
+    Uses our attention and grouped-matmul formulas (:mod:`.op_flops`) through
+    ``custom_mapping``. The first failure is kept in ``failure``; the op's
+    result is returned untouched, so the training step computes what it would
+    have without the counter.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from . import op_flops
+
+    class SafeFlopCounterMode(FlopCounterMode):
+        failure: Optional[BaseException] = None
+
+        def _count_flops(self, func_packet, out, args, kwargs):  # noqa: ANN001
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - never into the training step
+                if self.failure is None:
+                    self.failure = exc
+                return out
+
+    return SafeFlopCounterMode(display=False, custom_mapping=op_flops.flop_counter_mapping())
+
+
+def _force_off(mode: Any) -> None:
+    """Switch a ``FlopCounterMode`` off after its ``__exit__`` failed. Never raises.
+
+    Takes its dispatch mode off torch's mode stack (only from the top: a mode
+    entered above ours belongs to someone else) and removes the module tracker's
+    global hooks.
+    """
+    try:
+        from torch.utils import _python_dispatch as pd
+
+        inner = getattr(mode, "mode", None)
+        stack = pd._get_current_dispatch_mode_stack()
+        while stack and (stack[-1] is inner or stack[-1] is mode):
+            pd._pop_mode()
+            stack = pd._get_current_dispatch_mode_stack()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        tracker = getattr(mode, "mod_tracker", None)
+        if tracker is not None:
+            tracker.__exit__()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class StepFlopCounter:
     """Counts FLOPs over one real optimizer step with ``FlopCounterMode``, driven by hooks.
 
     ``start()`` is called at the first forward of a step (the agent's forward
-    pre-hook), ``mark_forward_end()`` after each forward of the step (forward
-    hook), ``finish()`` at the optimizer step boundary. Returns executed FLOPs
-    and forward-phase FLOPs per step; see the module docstring for how model and
-    hardware FLOPs follow from them.
+    pre-hook), ``mark_forward_start()``/``mark_forward_end()`` around each forward
+    of the step, ``finish()`` at the optimizer step boundary. A formula that
+    raises during the step does not reach the step: :meth:`finish` raises
+    :class:`CountingFailed` afterwards. :meth:`finish` and :meth:`abort` always
+    leave the mode, even when its ``__exit__`` fails.
     """
 
     def __init__(self) -> None:
@@ -173,10 +225,8 @@ class StepFlopCounter:
         self.active = False
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        ensure_cpu_sdpa_flop_formulas()
-        self._mode = FlopCounterMode(display=False)
+        """Enter the counting mode (the step's first forward). Raises what ``FlopCounterMode`` raises."""
+        self._mode = _safe_flop_counter_mode()
         self._mode.__enter__()
         self.active = True
         self.forward_flops = 0
@@ -190,23 +240,37 @@ class StepFlopCounter:
             self.forward_flops += self._mode.get_total_flops() - self._fwd_start
 
     def finish(self) -> tuple:
-        """Leave the mode; return ``(executed_flops, forward_flops)`` for the step."""
+        """Leave the mode; return ``(executed_flops, forward_flops)`` for the step.
+
+        Raises:
+            CountingFailed: a formula raised during the step (the count is incomplete).
+            Exception: leaving the mode failed (it is taken off the dispatch stack anyway).
+        """
         mode, self._mode = self._mode, None
         self.active = False
         if mode is None:
             return 0, 0
-        mode.__exit__(None, None, None)
+        try:
+            mode.__exit__(None, None, None)
+        except Exception:
+            _force_off(mode)
+            raise
+        failure = getattr(mode, "failure", None)
+        if failure is not None:
+            raise CountingFailed(f"a FLOP formula failed during the counted step: {type(failure).__name__}: "
+                                 f"{failure}") from failure
         return int(mode.get_total_flops()), int(self.forward_flops)
 
     def abort(self) -> None:
         """Leave the mode after a failure, discarding the count. Never raises."""
-        try:
-            if self._mode is not None:
-                self._mode.__exit__(None, None, None)
-        except Exception:  # noqa: BLE001
-            pass
-        self._mode = None
+        mode, self._mode = self._mode, None
         self.active = False
+        if mode is None:
+            return
+        try:
+            mode.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001
+            _force_off(mode)
 
 
 def split_model_hardware(executed: float, forward: float) -> tuple:
@@ -219,3 +283,279 @@ def split_model_hardware(executed: float, forward: float) -> tuple:
     if forward <= 0:
         return float(executed), float(executed)
     return float(min(3.0 * forward, executed)), float(executed)
+
+
+class FlopModel:
+    """Model and hardware FLOPs per optimizer step for one training process: the agent's FLOP source.
+
+    Picks the first source that applies: ``flops_per_step`` from the config
+    (``source`` "user"); the analytic formula (``"analytic"``) of
+    :mod:`.architectures` for a Hugging Face model it knows, or of PaLM for
+    ``model_shape``; else one real step counted with ``FlopCounterMode``
+    (``"flop_counter"``). ``""`` when none applies (MFU is not reported).
+
+    The training thread calls :meth:`on_forward_start`, :meth:`on_forward_end`
+    and :meth:`on_step_end` (shape reads and counter calls only; failures are
+    counted under ``flops`` in ``errors`` and switch counting off for good,
+    never raise); the agent thread calls :meth:`flops_per_step`, which also
+    re-reads the trainable set when it changed (a PEFT adapter enabled, merged
+    or a layer unfrozen).
+
+    Args:
+        model: the trained module, or None.
+        config: the agent's :class:`~mfuwatch.agent.config.AgentConfig`.
+        errors: the agent's :class:`~mfuwatch.agent.errors.ErrorCounter`.
+
+    Raises:
+        ConfigError: ``model_shape`` without ``n_params`` and no model.
+    """
+
+    def __init__(self, model: Optional[nn.Module], config: Any, errors: Any) -> None:
+        from .config import ConfigError
+
+        self.model, self.config, self.errors = model, config, errors
+        self.source = ""
+        self.reason = ""  # why the analytic path was not taken, for the breakdown
+        self.arch: Any = None
+        self.shape: Optional[TransformerShape] = None
+        self.counter: Optional[StepFlopCounter] = None
+        self.model_flops_per_token: Optional[float] = None
+        self.hw_flops_per_token: Optional[float] = None
+        self.lengths: Any = None  # architectures.Lengths of the latest training forward
+        self._signature: Any = None
+        self._adopted = False  # an architecture read from the unwrapped model: the live one is not re-read
+        cfg = config
+        if cfg.flops_per_step is not None:
+            self.source = "user"
+            return
+        try:
+            if cfg.model_shape is not None:
+                ms = cfg.model_shape
+                n = ms.n_params if ms.n_params is not None else (count_matmul_params(model) if model is not None
+                                                                 else None)
+                if n is None:
+                    raise ConfigError("model_shape.n_params: required when no model is given")
+                self.shape = TransformerShape(ms.n_layers, ms.d_model, n, ms.seq_len,
+                                              uses_activation_checkpointing(model))
+            elif model is not None and getattr(model, "config", None) is not None:
+                self._read_architecture()
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            errors.count("flops", exc)
+        if self.shape is not None or self.arch is not None:
+            self.source = "analytic"
+        elif model is not None:
+            self.source = "flop_counter"
+            self.counter = StepFlopCounter()
+            if self.reason:
+                log.info("mfuwatch: FLOPs will be counted over one real step (%s)", self.reason)
+        else:
+            log.warning("mfuwatch: no model, no flops_per_step and no model_shape: MFU is not reported "
+                        "(pass flops_per_step=... or model_shape={'n_layers':..,'d_model':..,'n_params':..})")
+
+    # ------------------------------------------------------------ analytic
+    def _read_architecture(self) -> None:
+        from . import architectures
+
+        cfg = self.config
+        try:
+            self.arch = architectures.from_model(self.model, causal=cfg.attention_flops == "causal",
+                                                 tp=cfg.tensor_parallel_size, cp=cfg.context_parallel_size)
+            self._signature = architectures.trainable_signature(self.model)
+        except architectures.UnknownArchitecture as exc:
+            self.arch, self.reason = None, str(exc)
+
+    def adopt(self, arch: Any) -> bool:
+        """Use ``arch`` (read from the unwrapped model, e.g. before FSDP flattened it) when the live model
+        gave no analytic formula. Returns whether it was taken; the live model is then not re-read."""
+        if arch is None or self.source != "flop_counter":
+            return False
+        self.close()
+        self.arch, self.source, self._adopted = arch, "analytic", True
+        arch.causal = self.config.attention_flops == "causal"
+        arch.cp = self.config.context_parallel_size
+        return True
+
+    def refresh(self) -> None:
+        """Re-read the model when its trainable set changed (agent thread; a walk over the parameters)."""
+        if self.arch is None or self.model is None or self._adopted:
+            return
+        from . import architectures
+
+        sig = architectures.trainable_signature(self.model)
+        if sig != self._signature:
+            self._read_architecture()
+            if self.arch is None:  # became unknown: say so rather than keep a stale formula
+                log.warning("mfuwatch: the model changed and the analytic FLOP formula no longer applies (%s); "
+                            "MFU is not reported", self.reason)
+
+    # ------------------------------------------------------- training thread
+    def on_forward_start(self, args: tuple, kwargs: Any, step: int) -> None:
+        """A training forward begins (shape reads; starts the count on the second step). Never raises."""
+        try:
+            arch = self.arch
+            if arch is not None and arch.family in ("encoder-decoder", "vision"):
+                lengths = arch.lengths_from_inputs(args, kwargs)
+                if lengths is not None:
+                    self.lengths = lengths
+            fc = self.counter
+            if fc is not None:
+                if not fc.active and step >= 1 and self.model_flops_per_token is None:
+                    fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
+                fc.mark_forward_start()
+        except Exception as exc:  # noqa: BLE001
+            self._give_up(exc)
+
+    def on_forward_end(self) -> None:
+        """A training forward ended. Never raises."""
+        try:
+            fc = self.counter
+            if fc is not None and fc.active:
+                fc.mark_forward_end()
+        except Exception as exc:  # noqa: BLE001
+            self._give_up(exc)
+
+    def on_step_end(self, tokens: Optional[int]) -> None:
+        """The optimizer step ended with ``tokens`` tokens: close a running count. Never raises."""
+        fc = self.counter
+        if fc is None or not fc.active:
+            return
+        self.counter = None  # one count only, whatever happens below
+        try:
+            executed, forward = fc.finish()
+        except Exception as exc:  # noqa: BLE001
+            fc.abort()
+            self.errors.count("flops", exc)
+            log.warning("mfuwatch: the FLOP count of one step failed: MFU is not reported (pass flops_per_step=...)")
+            return
+        if tokens and executed:
+            model, hw = split_model_hardware(executed, forward)
+            self.model_flops_per_token = model / tokens
+            self.hw_flops_per_token = hw / tokens
+        else:
+            log.warning("mfuwatch: FlopCounterMode counted %d FLOPs over %d tokens; MFU is not reported "
+                        "(pass flops_per_step=...)", executed, tokens or 0)
+
+    def _give_up(self, exc: BaseException) -> None:
+        fc, self.counter = self.counter, None
+        if fc is not None:
+            fc.abort()
+        self.errors.count("flops", exc)
+
+    def close(self) -> None:
+        """Leave a running count (the agent is closing). Never raises."""
+        fc, self.counter = self.counter, None
+        if fc is not None:
+            fc.abort()
+
+    # ---------------------------------------------------------- agent thread
+    def _arch_lengths(self, seq_len: Optional[int]) -> Any:
+        from .architectures import Lengths
+
+        arch = self.arch
+        if arch.family in ("encoder-decoder", "vision"):
+            return self.lengths or arch.default_lengths
+        return Lengths(int(seq_len)) if seq_len else None
+
+    def flops_per_step(self, tokens_per_step: float, seq_len: Optional[int]) -> tuple:
+        """``(model, hardware)`` FLOPs for one step of ``tokens_per_step`` counted tokens, or ``(None, None)``.
+
+        ``seq_len``: tokens per sequence of the latest training forward (decoders, encoders).
+        """
+        cfg = self.config
+        if cfg.flops_per_step is not None:
+            return cfg.flops_per_step, cfg.hardware_flops_per_step or cfg.flops_per_step
+        if self.shape is not None:
+            s = self.shape
+            seq = s.seq_len or seq_len
+            if not seq:
+                return None, None
+            model = analytic_flops_per_token(s.n_params, s.n_layers, s.d_model, seq) * tokens_per_step
+            if cfg.hardware_flops_per_step is not None:
+                return model, cfg.hardware_flops_per_step
+            return model, model * (4.0 / 3.0) if s.gradient_checkpointing else model
+        if self.arch is not None:
+            self.refresh()
+            arch = self.arch
+            if arch is None:
+                return None, None
+            lengths = self._arch_lengths(seq_len)
+            if lengths is None:
+                return None, None
+            units = arch.units_per_sequence(lengths)
+            if not units:
+                return None, None
+            model, hw, _ = arch.step_flops(lengths, tokens_per_step / units)
+            return model, (cfg.hardware_flops_per_step if cfg.hardware_flops_per_step is not None else hw)
+        if self.model_flops_per_token is not None:
+            return self.model_flops_per_token * tokens_per_step, self.hw_flops_per_token * tokens_per_step
+        return None, None
+
+    def breakdown(self, tokens_per_step: Optional[float] = None, seq_len: Optional[int] = None,
+                  count: bool = False) -> str:
+        """Text: per-component FLOPs of one step and the formula of each (see :func:`flops_breakdown_text`).
+
+        ``count``: also count one step of the model rebuilt from its config on the meta device.
+        """
+        text = flops_breakdown_text(self, tokens_per_step, seq_len)
+        if count:
+            text += "\n" + self._counted_line(tokens_per_step, seq_len)
+        return text
+
+    def _counted_line(self, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
+        """FlopCounterMode on a meta-device rebuild from ``model.config``, beside the analytic value."""
+        from . import flops_cli
+        from .architectures import Lengths
+
+        cfg = getattr(self.model, "config", None)
+        if cfg is None:
+            return "counted: not available (the model has no Hugging Face config to rebuild it from)"
+        lengths = self._arch_lengths(seq_len) if self.arch is not None else (Lengths(seq_len) if seq_len else None)
+        if lengths is None:
+            return "counted: not available (no training forward seen yet)"
+        arch = self.arch
+        units = arch.units_per_sequence(lengths) if arch is not None else float(lengths.target)
+        seqs = max(1, round(tokens_per_step / units)) if tokens_per_step and units else 1
+        try:
+            counted, untracked, where = flops_cli.count_from_config(cfg, arch, seqs, lengths.target, lengths.source)
+        except Exception as exc:  # noqa: BLE001
+            counted, untracked, where = None, [], f"{type(exc).__name__}: {exc}"
+        if counted is None:
+            return f"counted: not available ({where})"
+        line = f"counted (FlopCounterMode, {where} rebuild from the config, {seqs} sequences): {counted:.4g} FLOPs"
+        if arch is not None:
+            _, hw, _ = arch.step_flops(lengths, seqs)
+            line += f"; analytic hardware FLOPs {hw:.4g}" + (f" (ratio {hw / counted:.3f})" if counted else "")
+        return line + "\nuntracked ops (counted 0): " + (", ".join(untracked) if untracked else "none")
+
+
+def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
+    """What made the FLOP number: the source, and for the analytic path the per-component table."""
+    lines = [f"flops_source: {fm.source or 'none (MFU not reported)'}"]
+    if fm.source == "user":
+        lines.append(f"flops_per_step = {fm.config.flops_per_step:.4g} (given)")
+        return "\n".join(lines)
+    if fm.shape is not None:
+        s = fm.shape
+        lines.append(f"PaLM formula 6*N + 12*L*d*T per token: N={s.n_params:,} L={s.n_layers} d={s.d_model} "
+                     f"T={s.seq_len or seq_len}")
+        return "\n".join(lines)
+    if fm.arch is not None:
+        from .architectures import describe
+
+        lengths = fm._arch_lengths(seq_len)
+        if lengths is None:
+            return "\n".join(lines + ["no training forward seen yet: sequence length unknown"])
+        units = fm.arch.units_per_sequence(lengths)
+        seqs = (tokens_per_step / units) if (tokens_per_step and units) else 1.0
+        lines.append(f"family: {fm.arch.family} ({fm.arch.model_type}); {seqs:g} sequences of {lengths}")
+        lines.append(describe(fm.arch, lengths, seqs))
+        lines += fm.arch.notes
+        return "\n".join(lines)
+    if fm.reason:
+        lines.append(f"analytic formula not used: {fm.reason}")
+    if fm.model_flops_per_token is not None:
+        lines.append(f"counted over one real step: {fm.model_flops_per_token:.4g} model FLOPs per token, "
+                     f"{fm.hw_flops_per_token:.4g} hardware FLOPs per token")
+    return "\n".join(lines)

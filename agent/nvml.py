@@ -128,6 +128,8 @@ class NvmlSampler:
             g.utilization, g.memory_bandwidth_utilization = percent_to_ratio(util.gpu), percent_to_ratio(util.memory)
         mhz = self._read("sm_clock", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
         g.sm_clock_hertz = None if mhz is None else float(mhz) * 1e6
+        mhz = self._read("sm_clock_max", lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM))
+        g.sm_clock_max_hertz = None if mhz is None else float(mhz) * 1e6
         mw = self._read("power", lambda: nv.nvmlDeviceGetPowerUsage(h))
         g.power_watts = None if mw is None else mw / 1e3
         mw = self._read("power_limit", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))

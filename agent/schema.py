@@ -62,6 +62,7 @@ class M:
     GPU_UTILIZATION = PREFIX + "gpu_utilization_ratio"
     GPU_MEMORY_UTILIZATION = PREFIX + "gpu_memory_bandwidth_utilization_ratio"
     GPU_SM_CLOCK_HERTZ = PREFIX + "gpu_sm_clock_hertz"
+    GPU_SM_CLOCK_MAX_HERTZ = PREFIX + "gpu_sm_clock_max_hertz"  # for the tensor-activity cross-check of MFU
     GPU_POWER_WATTS = PREFIX + "gpu_power_watts"
     GPU_POWER_LIMIT_WATTS = PREFIX + "gpu_power_limit_watts"
     GPU_TEMPERATURE_CELSIUS = PREFIX + "gpu_temperature_celsius"
@@ -221,6 +222,7 @@ class GpuHealth:
     utilization: Optional[float] = None  # 0..1
     memory_bandwidth_utilization: Optional[float] = None  # 0..1
     sm_clock_hertz: Optional[float] = None
+    sm_clock_max_hertz: Optional[float] = None  # NVML max SM clock (the clock the peak FLOP/s assume)
     power_watts: Optional[float] = None
     power_limit_watts: Optional[float] = None
     temperature_celsius: Optional[float] = None

@@ -95,6 +95,14 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
                      f"[{format_duration(r['window'])}]))"),
     Signal("gpu_memory_used_ratio", "device memory used over total (NVML)", "ratio", (), True, _GPU,
            lambda r: f"{M.GPU_MEMORY_USED_BYTES} / {M.GPU_MEMORY_TOTAL_BYTES}"),
+    Signal("mfu_tensor_active_excess",
+           "MFU minus the tensor-active bound, tensor-active ratio x SM clock / max SM clock (NVML GPM); > 0: "
+           "more model FLOPs than the tensor cores could have done", "ratio", (), True, _GPU,
+           lambda r: f"{M.MFU} - {M.GPU_TENSOR_ACTIVE} * {M.GPU_SM_CLOCK_HERTZ} / {M.GPU_SM_CLOCK_MAX_HERTZ}"),
+    Signal("mfu_tensor_active_fraction",
+           "MFU over the tensor-active bound (tensor-active ratio x SM clock / max SM clock); far below 1: FLOPs "
+           "the model does not count", "ratio", (), True, _GPU,
+           lambda r: f"{M.MFU} / ({M.GPU_TENSOR_ACTIVE} * {M.GPU_SM_CLOCK_HERTZ} / {M.GPU_SM_CLOCK_MAX_HERTZ} > 0)"),
     Signal("step_time_vs_run_median",
            "a rank's mean step time over `window` divided by the median over the run's ranks (Prometheus only)",
            "ratio", ("window",), False, _RANKS,
@@ -186,12 +194,25 @@ class MeasurementStore:
                 return None if self._prev_errors is None else _sum_since(self._xid_events, now - rule["window"])
             if signal == "gpu_ecc_uncorrected_increase":
                 return None if self._prev_errors is None else _sum_since(self._ecc_events, now - rule["window"])
+            if signal in ("mfu_tensor_active_excess", "mfu_tensor_active_fraction"):
+                return self._tensor_active_check(signal)
             if signal == "gpu_memory_used_ratio":
                 g = self.gpu
                 if g is None or not g.memory_total_bytes or g.memory_used_bytes is None:
                     return None
                 return float(g.memory_used_bytes) / float(g.memory_total_bytes)
         return None  # Prometheus-only signals have no in-process value
+
+    def _tensor_active_check(self, signal: str) -> Optional[float]:
+        """MFU against tensor-active x clock ratio (caller holds the lock); None without GPM or clocks."""
+        m, g = self.step, self.gpu
+        if m is None or m.mfu is None or g is None or g.tensor_active is None or not g.sm_clock_hertz \
+                or not g.sm_clock_max_hertz:
+            return None
+        bound = float(g.tensor_active) * float(g.sm_clock_hertz) / float(g.sm_clock_max_hertz)
+        if signal == "mfu_tensor_active_excess":
+            return float(m.mfu) - bound
+        return float(m.mfu) / bound if bound > 0 else None
 
     def latest_window(self) -> Optional[WindowMeasurement]:
         """The latest profiler window (for suggestions and the top-ops table)."""

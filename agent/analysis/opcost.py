@@ -81,8 +81,9 @@ SDPA_BACKWARD = frozenset("aten::" + n for n in (
 CONV_ARGS = {"aten::convolution": (3, 4, 5), "aten::_convolution": (3, 4, 5), "aten::convolution_overrideable": (3, 4, 5),
              "aten::cudnn_convolution": (3, 2, 4), "aten::mkldnn_convolution": (4, 3, 5),
              "aten::_slow_conv2d_forward": (4, 5, None)}
+GROUPED_MM = frozenset({"aten::_grouped_mm", "aten::_scaled_grouped_mm"})  # MoE experts (transformers 5)
 MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
-                        "aten::convolution_backward"}) | SDPA_FORWARD | SDPA_BACKWARD | frozenset(CONV_ARGS)
+                        "aten::convolution_backward"}) | SDPA_FORWARD | SDPA_BACKWARD | frozenset(CONV_ARGS) | GROUPED_MM
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,11 @@ def _flops(name: str, args: list, out_shape: Optional[Tuple[int, ...]]) -> Optio
     """torch's FLOP formula for ``name`` on these shapes, or None when torch has none (or it fails)."""
     if name not in MATMUL_OPS:
         return None
+    if name in SDPA_FORWARD or name in SDPA_BACKWARD or name in GROUPED_MM:
+        # our formulas: the same on every torch version (2.11's reject grouped-query shapes)
+        from mfuwatch.agent.op_flops import trace_op_flops
+
+        return trace_op_flops(name, args, out_shape)
     table, fc = _torch_formulas()
     if fc is None:
         return None

@@ -67,7 +67,7 @@ class MFUWatchCallback(TrainerCallback):
         self.patch_report: Any = None
         self.sd_target: Any = None
         self._patched = False
-        self._init_shape: Optional[Dict[str, int]] = None
+        self._init_arch: Any = None  # architectures.ArchitectureModel of the unwrapped model
 
     # -- set-up -----------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -78,13 +78,11 @@ class MFUWatchCallback(TrainerCallback):
             self._patched = True
             self.patch_report = _common.apply_kernel_patch(model, self.patch_kernels)
         try:
-            from ..flops import shape_from_hf_config
+            from ..architectures import from_model
 
-            shape = shape_from_hf_config(model)
-            if shape is not None:
-                self._init_shape = {"n_layers": shape.n_layers, "d_model": shape.d_model, "n_params": shape.n_params}
-        except Exception as exc:  # noqa: BLE001 - the agent falls back to counting at train begin
-            log.debug("mfuwatch: no analytic shape at init: %r", exc)
+            self._init_arch = from_model(model)  # unsharded weights: read before a sharding wrapper flattens them
+        except Exception as exc:  # noqa: BLE001 - the agent reads or counts the model at train begin
+            log.debug("mfuwatch: no analytic FLOP model at init: %r", exc)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -97,6 +95,9 @@ class MFUWatchCallback(TrainerCallback):
 
         cfg = _common.build_config(self.config, self.overrides, self._framework_facts(args))
         self.agent = Agent(model, None, config=cfg)  # boundaries come from on_step_end, not the optimizer
+        if self.agent.flop_model.adopt(self._init_arch):  # the wrapped model hid its shapes
+            self.agent.run_info.flops_source = self.agent.flop_model.source
+            self.agent._run_info_dirty = True
         if self.file_sd_dir:
             from ..distributed import register_agent
 
@@ -111,8 +112,6 @@ class MFUWatchCallback(TrainerCallback):
             "rank": getattr(args, "process_index", None), "local_rank": getattr(args, "local_process_index", None),
             "world_size": getattr(args, "world_size", None), "dtype": dtype, "run": run,
         }
-        if self._init_shape is not None and "flops_per_step" not in self.overrides:
-            facts["model_shape"] = dict(self._init_shape)
         return facts
 
     # -- training ---------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class MFUWatchCallback(Callback):
         self.agent: Any = None
         self.patch_report: Any = None
         self.sd_target: Any = None
-        self._setup_shape: Optional[Dict[str, int]] = None
+        self._setup_arch: Any = None  # architectures.ArchitectureModel of the unsharded model
         self._tokens = 0  # tokens of the micro-batches since the last boundary
         self._last_global_step = 0
         self._gap = False
@@ -98,13 +98,11 @@ class MFUWatchCallback(Callback):
         if self.patch_kernels and self.patch_report is None:
             self.patch_report = _common.apply_kernel_patch(pl_module, self.patch_kernels)
         try:
-            from ..flops import shape_from_hf_config
+            from ..architectures import from_model
 
-            shape = shape_from_hf_config(self.model or find_transformer(pl_module))
-            if shape is not None:
-                self._setup_shape = {"n_layers": shape.n_layers, "d_model": shape.d_model, "n_params": shape.n_params}
-        except Exception as exc:  # noqa: BLE001 - the agent falls back to its own FLOP model
-            log.debug("mfuwatch: no analytic shape at setup: %r", exc)
+            self._setup_arch = from_model(self.model or find_transformer(pl_module))  # before any sharding
+        except Exception as exc:  # noqa: BLE001 - the agent reads or counts the model itself
+            log.debug("mfuwatch: no analytic FLOP model at setup: %r", exc)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Start the agent (one per ``fit``)."""
@@ -115,10 +113,11 @@ class MFUWatchCallback(Callback):
             "rank": trainer.global_rank, "local_rank": trainer.local_rank, "world_size": trainer.world_size,
             "dtype": PRECISION_DTYPES.get(str(trainer.precision)),
         }
-        if self._setup_shape is not None:
-            facts["model_shape"] = dict(self._setup_shape)
         cfg = _common.build_config(self.config, self.overrides, facts)
         self.agent = Agent(self.model or find_transformer(pl_module), None, config=cfg)
+        if self.agent.flop_model.adopt(self._setup_arch):  # the strategy hid the weights' shapes
+            self.agent.run_info.flops_source = self.agent.flop_model.source
+            self.agent._run_info_dirty = True
         self._tokens = 0
         self._last_global_step = trainer.global_step
         self._gap = False

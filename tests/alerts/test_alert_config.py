@@ -12,7 +12,8 @@ from mfuwatch.alerts.matchers import parse_matcher
 from mfuwatch.alerts.validation import format_duration, parse_duration
 
 BUILTINS = {"MfuLow", "MfuRegression", "MemoryBoundDominant", "TrainingStalled", "GpuThrottling", "GpuXidErrors",
-            "GpuEccErrors", "GpuMemoryPressure", "InputStall", "StragglerRank"}
+            "GpuEccErrors", "GpuMemoryPressure", "InputStall", "StragglerRank", "MfuAboveTensorActivity",
+            "MfuFarBelowTensorActivity"}
 
 
 def test_defaults_have_every_builtin_rule_and_a_console_notifier():

@@ -36,6 +36,7 @@ class FakeGpu:
     util_gpu: int = 0  # percent
     util_memory: int = 0  # percent
     sm_clock_mhz: int = 1980
+    sm_clock_max_mhz: int = 1980
     power_mw: int = 100_000
     power_limit_mw: int = 700_000
     temperature_c: int = 40
@@ -165,6 +166,12 @@ class FakeNvml:
         self._enter("nvmlDeviceGetUtilizationRates")
         g = self._gpu(handle)
         return SimpleNamespace(gpu=g.util_gpu, memory=g.util_memory)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: _Handle, clock_type: int) -> int:
+        self._enter("nvmlDeviceGetMaxClockInfo")
+        if clock_type != self.NVML_CLOCK_SM:
+            raise self.NVMLError_InvalidArgument()
+        return self._gpu(handle).sm_clock_max_mhz
 
     def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
         self._enter("nvmlDeviceGetClockInfo")
