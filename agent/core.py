@@ -14,6 +14,7 @@ dtype (PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -31,6 +32,8 @@ from .clock import Interval, StepClock
 from .config import AgentConfig, ConfigError, load_config
 from .errors import ErrorCounter
 from .exporter import Exporter
+from .fleet import FleetAccounting  # fleet (issue 18)
+from .job import job_labelled_view, resolve_job  # fleet (issue 18)
 from .schema import GpuHealth, RunInfo, StepMeasurement, WindowMeasurement, to_record
 from .timeline import Timeline
 
@@ -121,6 +124,7 @@ class Agent:
             dtype=self._dtype_key or "", flops_source=self._flops_source,
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
+        self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/job.py)
         self._peak: Optional[float] = None
         self._peak_warned = False
         self._run_info_dirty = False
@@ -129,6 +133,7 @@ class Agent:
 
         self.exporter = Exporter(self.run_info)
         self.registry = self.exporter.registry
+        self.exporter.exposed_registry = job_labelled_view(self.registry, self.run_info.job)  # fleet: `job` label
         self.errors.listeners.append(self.exporter.count_error)
         self.exporter_url = ""
         if cfg.exporter:
@@ -145,6 +150,11 @@ class Agent:
             self._sd_target = register_agent(self, cfg.file_sd_dir)  # counts its own failures
         self.timeline = Timeline(cfg.timeline)
         self.clock = StepClock(self.device)
+        self.fleet: Optional[FleetAccounting] = None  # fleet: counters, goodput, phases, hang watchdog
+        try:
+            self.fleet = FleetAccounting(self)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("fleet", exc)
 
         # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
         self._resolve_peak()
@@ -158,6 +168,8 @@ class Agent:
 
         self._install_hooks(model, optimizer)
         self.timeline.write(to_record("run", self.run_info))
+        if self.fleet is not None and self.fleet.resume["last_step"]:  # fleet: progress the last attempt lost
+            self.timeline.write(self.fleet.resume_record())
         self._run_info_dirty = False
         self._last_gpu_write = 0.0
         self._acc: Dict[str, Any] = self._new_acc()
@@ -329,6 +341,8 @@ class Agent:
         try:
             if not torch.is_grad_enabled():
                 return None  # evaluation forward: not training tokens
+            if self.fleet is not None:
+                self.fleet.forward_start()  # fleet: goodput's input-wait / step split
             if self.config.tokens_per_step is None:
                 n, seq = count_tokens(args, kwargs)
                 self._pending_tokens += n
@@ -420,6 +434,38 @@ class Agent:
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
 
+    # --- fleet (issue 18, issue 16): phases -------------------------------------------------
+    def phase(self, name: str) -> Any:
+        """``with agent.phase("eval"):`` / ``"checkpoint"`` / ``"checkpoint_load"``: time that is not training.
+
+        The block's time goes to its goodput bucket (``mfuwatch_goodput_seconds_total{bucket}``),
+        stays out of step time (the next step is timed from the block's end) and pauses the
+        stalled-loop alert (``TrainingStalled``) and the hang watchdog. Use it between optimizer
+        steps on the training thread. Exceptions inside the block propagate unchanged.
+
+        Raises:
+            ValueError: an unknown phase name (the message lists the accepted ones).
+        """
+        from .goodput import phase_bucket
+
+        bucket = phase_bucket(name)  # a typo fails at the call, naming the accepted names
+        fleet = self.fleet
+        if fleet is None or self._closed:
+            return contextlib.nullcontext()
+        from .fleet import Phase
+
+        return Phase(fleet, name, bucket)
+
+    def begin_phase(self, name: str) -> None:
+        """Open phase ``name`` without a ``with`` block (framework callbacks); never raises."""
+        if self.fleet is not None and not self._closed:
+            self.fleet.enter(name)
+
+    def end_phase(self, name: Optional[str] = None) -> None:
+        """Close the innermost open phase (only if it is ``name``, when given); never raises."""
+        if self.fleet is not None and not self._closed:
+            self.fleet.exit(name)
+
     def record_loss(self, loss: Any) -> None:
         """Attach a loss (float or tensor) to the current step; read later without a sync on this thread."""
         try:
@@ -451,6 +497,8 @@ class Agent:
                     log.warning("mfuwatch: FlopCounterMode counted %d FLOPs over %d tokens; MFU is not reported "
                                 "(pass flops_per_step=...)", executed, tokens or 0)
             self.clock.mark(self._step, int(tokens or 0), loss)
+            if self.fleet is not None:
+                self.fleet.boundary(self._step)  # fleet: goodput bucket of the step, hang watchdog
             prof = self.profiler
             if prof is not None:
                 prof.on_step(self._step, self.latest.step_time_seconds if self.latest else None)
@@ -494,6 +542,8 @@ class Agent:
             acc["timed_tokens"] += iv.tokens
         acc["last"] = iv
         self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
+        if self.fleet is not None:  # fleet: FLOP and step-time counters, straggler score
+            self.fleet.on_interval(iv.steps, iv.seconds, iv.tokens, self.flops_per_step)
 
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
@@ -606,6 +656,8 @@ class Agent:
             self.exporter.close()
         if self._sd_target is not None:
             self._sd_target.remove()
+        if self.fleet is not None:
+            self.fleet.close()  # fleet: watchdog thread, checkpoint hooks, the goodput tail
         self.timeline.close()
         _live_agents.discard(self)
 

@@ -185,6 +185,7 @@ class Exporter:
         self._server = None
         self._thread = None
         self.url = ""
+        self.exposed_registry = self.registry  # what /metrics serves (the agent sets a `job`-labelled view)
         # Touch the label sets so the series exist (at 0) from the first scrape.
         self.steps.labels(*self._base)
         self.tokens.labels(*self._base)
@@ -214,7 +215,7 @@ class Exporter:
         candidates = [0] if port == 0 else range(port, min(port + tries, 65536))
         for p in candidates:
             try:
-                result = start_http_server(p, addr=bind, registry=self.registry, certfile=certfile, keyfile=keyfile)
+                result = start_http_server(p, addr=bind, registry=self.exposed_registry, certfile=certfile, keyfile=keyfile)
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                     raise
