@@ -168,8 +168,8 @@ class Agent:
 
         self._install_hooks(model, optimizer)
         self.timeline.write(to_record("run", self.run_info))
-        if self.fleet is not None and self.fleet.resume["last_step"]:  # fleet: progress the last attempt lost
-            self.timeline.write(self.fleet.resume_record())
+        if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
+            self.timeline.write(self.fleet.attempt_record())
         self._run_info_dirty = False
         self._last_gpu_write = 0.0
         self._acc: Dict[str, Any] = self._new_acc()

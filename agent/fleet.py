@@ -160,9 +160,17 @@ class FleetAccounting:
                 self.errors.count("checkpoint", exc)
         self._graphs = self._compiled_graphs()
 
-    def resume_record(self) -> dict:
-        """The ``resume`` timeline record: progress the previous attempt lost (steps after its last checkpoint)."""
-        return {"kind": "resume", **self.resume}
+    def attempt_record(self) -> dict:
+        """The ``attempt`` timeline record that opens this process's part of the timeline.
+
+        ``lost_*``: progress the previous attempt lost (its steps after its last checkpoint, which this
+        attempt re-does and counts as ``lost_progress``).
+        """
+        import os
+        import socket
+
+        return {"kind": "attempt", "pid": os.getpid(), "host": socket.gethostname(), "timestamp": time.time(),
+                **{f"lost_{k}": v for k, v in self.resume.items()}}
 
     # ---------------------------------------------------------------- training thread
     def forward_start(self) -> None:

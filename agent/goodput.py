@@ -177,7 +177,9 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
     """Progress the previous attempt of a run lost: steps it ran after its last checkpoint.
 
     ``records`` is the run's own timeline (:func:`mfuwatch.agent.timeline.read_timeline`):
-    each attempt starts with a ``run`` record; ``checkpoint`` records (kind
+    each attempt (one process's agent) starts with an ``attempt`` record (the
+    ``run`` records are not used: an attempt writes a new one whenever its dtype
+    or peak settles); ``checkpoint`` records (kind
     ``checkpoint``, written when a checkpoint save ends) carry the agent's
     ``step``; ``step`` records carry ``step``, ``steps`` and ``step_time_seconds``.
 
@@ -191,7 +193,7 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
     steps: List[tuple] = []  # (last step of the record, steps, step_time_seconds)
     for rec in records:
         kind = rec.get("kind")
-        if kind == "run":
+        if kind == "attempt":
             last_step, ckpt, steps = 0, 0, []
         elif kind == "step":
             try:

@@ -34,7 +34,7 @@ MAX_JOB_LENGTH = 128
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]+")
 #: Kubernetes Job pod names: <job>[-<index>]-<5 lowercase alphanumerics> (kube-controller-manager's
 #: generateName suffix is 5 characters from "bcdfghjklmnpqrstvwxz2456789").
-_K8S_POD = re.compile(r"^(?P<job>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(-\d+)?-[bcdfghjklmnpqrstvwxz2456789]{5}$")
+_K8S_POD = re.compile(r"^(?P<job>[a-z0-9]([-a-z0-9]*?[a-z0-9])?)(-\d+)?-[bcdfghjklmnpqrstvwxz2456789]{5}$")
 
 
 def _clean(value: str) -> str:

@@ -25,8 +25,14 @@ What the callback does, and where each fact comes from:
 * **rank, world size, dtype, run** — ``args.process_index``,
   ``args.local_process_index``, ``args.world_size``, ``args.bf16``/``args.fp16``
   and ``args.run_name``, unless the agent config sets them.
-* **evaluation and checkpoints** — ``on_evaluate``/``on_save`` mark the time
-  since the last step as a gap, not training (with agents that support it).
+* **evaluation and checkpoints** — the Trainer decides in ``on_step_end``
+  (``control.should_evaluate`` / ``control.should_save``, set by its
+  ``DefaultFlowCallback`` before this callback runs) and then evaluates and
+  saves; the callback opens ``agent.phase("eval")`` / ``"checkpoint"`` there and
+  closes them in ``on_evaluate`` / ``on_save``, so the stalled-loop alert and the
+  hang watchdog are paused while they run, their time goes to the goodput
+  buckets and stays out of step time. An evaluation started any other way
+  (``trainer.evaluate()``) opens its phase at its first ``on_prediction_step``.
 * ``patch_kernels=True`` (or a dict of ``mfuwatch.kernels.patch`` options)
   swaps in the fused Triton drop-ins in ``on_init_end``, before the optimizer
   exists (or in ``on_train_begin`` if the callback was added later).
@@ -136,15 +142,30 @@ class MFUWatchCallback(TrainerCallback):
         agent = self.agent
         if agent is not None:
             agent.step()  # never raises: the agent counts its own failures
+            # fleet: the Trainer evaluates and saves right after this callback returns
+            if getattr(control, "should_evaluate", False):
+                _common.begin_phase(agent, "eval")
+            elif getattr(control, "should_save", False):
+                _common.begin_phase(agent, "checkpoint")
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """An evaluation batch: opens the eval phase when the evaluation was not announced by ``on_step_end``."""
+        agent = self.agent
+        if agent is not None and _common.open_phase(agent) is None:
+            _common.begin_phase(agent, "eval")
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Evaluation ran since the last step: not training time."""
         if self.agent is not None:
+            _common.end_phase(self.agent, "eval")
             _common.mark_gap(self.agent)
+            if getattr(control, "should_save", False):  # the save follows the evaluation
+                _common.begin_phase(self.agent, "checkpoint")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """A checkpoint was written since the last step: not training time."""
         if self.agent is not None:
+            _common.end_phase(self.agent, "checkpoint")
             _common.mark_gap(self.agent)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
