@@ -90,6 +90,7 @@ class AgentConfig:
     hang_floor_seconds: float = 60.0  # ...and longer than a minute: short steps jitter by whole seconds on busy hosts
     goodput_warmup_steps: int = 2  # the first steps compile, allocate and warm caches: warm-up, not productive
     auto_checkpoint_phases: bool = True  # time torch.save/load and torch.distributed.checkpoint as checkpoint phases
+    otlp_endpoint: Optional[str] = None  # also export over OTLP/HTTP (extra `otlp`), e.g. http://collector:4318/v1/metrics
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain-data dump (for the timeline and logs). Holds no secrets: alert URLs live in the environment."""

@@ -143,6 +143,16 @@ class Agent:
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
+        self.otlp = None  # fleet: optional OTLP export of the same series (agent/otlp.py)
+        if cfg.otlp_endpoint:
+            try:
+                from .otlp import OtlpBridge
+
+                self.otlp = OtlpBridge(self.exporter.exposed_registry, endpoint=cfg.otlp_endpoint)
+            except ImportError as exc:
+                log.warning("mfuwatch: %s; OTLP export is off", exc)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.count("otlp", exc)
         self._sd_target = None
         if cfg.file_sd_dir and self.exporter_url:
             from .integrations.distributed import register_agent
@@ -658,6 +668,9 @@ class Agent:
             self._sd_target.remove()
         if self.fleet is not None:
             self.fleet.close()  # fleet: watchdog thread, checkpoint hooks, the goodput tail
+        if self.otlp is not None:
+            with self.errors.guard("otlp"):
+                self.otlp.close()
         self.timeline.close()
         _live_agents.discard(self)
 

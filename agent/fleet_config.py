@@ -27,6 +27,9 @@ def validate_fleet(cfg: Any, error: Type[Exception]) -> None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > lo:
             raise error(f"{name}: expected a finite number > {lo:g}, got {v!r}")
         setattr(cfg, name, float(v))
+    ep = cfg.otlp_endpoint
+    if ep is not None and (not isinstance(ep, str) or not ep.startswith(("http://", "https://"))):
+        raise error(f"otlp_endpoint: expected an http(s):// URL of an OTLP/HTTP metrics receiver or null, got {ep!r}")
     v = cfg.goodput_warmup_steps
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise error(f"goodput_warmup_steps: expected an integer >= 0, got {v!r}")

@@ -121,3 +121,18 @@ def test_series_per_rank_stay_within_the_documented_budget():
             continue  # one series whatever its labels hold
         assert label in bounds, f"{name}{{{label}}} has no documented bound"
         assert len(vals) <= bounds[label], (name, label, vals)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("hang_factor", 1.0, "hang_factor: expected a finite number > 1"),
+    ("hang_floor_seconds", 0, "hang_floor_seconds: expected a finite number > 0"),
+    ("goodput_warmup_steps", -1, "goodput_warmup_steps: expected an integer >= 0"),
+    ("hang_watchdog", "yes", "hang_watchdog: expected true or false"),
+    ("job", 7, "job: expected a string"),
+    ("otlp_endpoint", "collector:4318", "otlp_endpoint: expected an http(s):// URL"),
+])
+def test_bad_fleet_settings_fail_at_start_naming_the_field(key, value, needle):
+    from mfuwatch.agent.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_config({key: value, "exporter": False})
