@@ -148,6 +148,13 @@ class MFUWatchCallback(TrainerCallback):
             elif getattr(control, "should_save", False):
                 _common.begin_phase(agent, "checkpoint")
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A new optimizer step begins: a phase announced in ``on_step_end`` that never ran is closed here."""
+        agent = self.agent
+        if agent is not None:
+            for name in ("checkpoint", "eval"):
+                _common.end_phase(agent, name)
+
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """An evaluation batch: opens the eval phase when the evaluation was not announced by ``on_step_end``."""
         agent = self.agent
