@@ -6,8 +6,9 @@ imported ``torch.distributed.checkpoint`` before the agent started — its
 ``save``/``load`` (and the older ``save_state_dict``/``load_state_dict``) are
 wrapped by a function that calls the original with the same arguments and
 returns its result or raises its exception unchanged. Around the call, each
-registered listener's ``enter(kind)``/``exit(kind, seconds)`` runs, where
-``kind`` is ``"save"`` or ``"load"``; a listener's own failure is its own
+registered listener's ``checkpoint_enter(kind, source)`` /
+``checkpoint_exit(kind, seconds, source)`` runs, where ``kind`` is ``"save"`` or
+``"load"`` and ``source`` the wrapped function (``"torch.save"``); a listener's own failure is its own
 business (the agent's listener counts it) and never reaches the caller.
 
 Only calls on a listener's training thread count (a background checkpoint
@@ -42,7 +43,7 @@ TARGETS = (
 )
 
 
-def _wrap(fn: Callable, kind: str) -> Callable:
+def _wrap(fn: Callable, kind: str, mod_name: str, attr: str) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_depth, "n", 0)
@@ -52,8 +53,9 @@ def _wrap(fn: Callable, kind: str) -> Callable:
         mine = [li for li in list(_listeners) if li.owns_thread(tid)]
         if not mine:
             return fn(*args, **kwargs)
+        source = f"{mod_name}.{attr}"
         for li in mine:
-            li.checkpoint_enter(kind)
+            li.checkpoint_enter(kind, source)
         _depth.n = 1
         t0 = time.perf_counter()
         try:
@@ -62,7 +64,7 @@ def _wrap(fn: Callable, kind: str) -> Callable:
             _depth.n = 0
             dt = time.perf_counter() - t0
             for li in mine:
-                li.checkpoint_exit(kind, dt, fn.__module__ + "." + fn.__name__)
+                li.checkpoint_exit(kind, dt, source)
 
     wrapper.__mfuwatch_original__ = fn  # type: ignore[attr-defined]
     return wrapper
@@ -81,7 +83,7 @@ def install(listener: Any) -> None:
             if fn is None or not callable(fn) or hasattr(fn, "__mfuwatch_original__"):
                 continue
             _originals[(mod, attr)] = fn
-            setattr(mod, attr, _wrap(fn, kind))
+            setattr(mod, attr, _wrap(fn, kind, mod_name, attr))
 
 
 def uninstall(listener: Any) -> None:

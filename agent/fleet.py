@@ -269,12 +269,13 @@ class FleetAccounting:
         """Whether ``thread_id`` is this agent's training thread (known from its first step or forward)."""
         return not self._closed and self._train_thread == thread_id
 
-    def checkpoint_enter(self, kind: str) -> None:
-        self.enter("torch.save" if kind == "save" else "torch.load",
-                   "checkpoint_save" if kind == "save" else "checkpoint_load")
+    def checkpoint_enter(self, kind: str, source: str) -> None:
+        """A hooked checkpoint call (``source``, e.g. ``"torch.save"``) begins on the training thread."""
+        self.enter(source, "checkpoint_save" if kind == "save" else "checkpoint_load")
 
     def checkpoint_exit(self, kind: str, seconds: float, source: str) -> None:
-        self.exit("torch.save" if kind == "save" else "torch.load")
+        """The hooked call ended (or raised): its phase closes."""
+        self.exit(source)
 
     def _write(self, record: dict) -> None:
         try:

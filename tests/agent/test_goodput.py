@@ -185,3 +185,19 @@ def test_a_failing_torch_save_raises_its_own_error_and_closes_the_phase(tmp_path
         torch.save({}, tmp_path / "no" / "such" / "dir" / "x.pt")
     assert agent.fleet.open_phase() is None
     agent.close()
+
+
+def test_torch_distributed_checkpoint_save_and_load_are_timed(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")  # imported before the agent: hooked
+    model, opt, agent, clock = _agent(tmp_path, run="gp-dcp")
+    _step(model, opt, clock, compute=1.0)
+    state = {"model": model.state_dict()}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    agent.close()
+    phases = [(p["name"], p["bucket"]) for p in read_timeline(tmp_path / "timeline.jsonl") if p["kind"] == "phase"]
+    # DCP writes through torch.save internally: counted once, as the outer call
+    assert phases == [("torch.distributed.checkpoint.save", "checkpoint_save"),
+                      ("torch.distributed.checkpoint.load", "checkpoint_load")]
+    ckpts = [r for r in read_timeline(tmp_path / "timeline.jsonl") if r["kind"] == "checkpoint"]
+    assert [(c["step"], c["source"]) for c in ckpts] == [(1, "torch.distributed.checkpoint.save")]
