@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import checkpoint_hooks
-from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo
+from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo, tail_records
 from .schema import M
 from .straggler import StragglerScore
 from .watchdog import HangReport, HangWatchdog
@@ -122,11 +122,10 @@ class FleetAccounting:
         self.resume = {"steps": 0.0, "seconds": 0.0, "last_step": 0.0, "checkpoint_step": 0.0}
         if cfg.timeline:
             try:
-                from .timeline import read_timeline
                 from pathlib import Path
 
                 if Path(cfg.timeline).is_file():
-                    self.resume = steps_to_redo(read_timeline(cfg.timeline))
+                    self.resume = steps_to_redo(tail_records(cfg.timeline))
             except Exception as exc:  # noqa: BLE001 - a torn or foreign timeline: no lost-progress figure
                 self.errors.count("goodput", exc)
         self.goodput = GoodputClock(warmup_steps=cfg.goodput_warmup_steps, redo_steps=int(self.resume["steps"]),

@@ -173,6 +173,41 @@ class GoodputClock:
         return seconds.get("productive", 0.0) / total if total > 0 else None
 
 
+#: Bytes of a timeline's end read at start-up for the lost-progress figure (about 200k records):
+#: a long run's timeline can be gigabytes, and only its last attempt matters.
+TAIL_BYTES = 64 * 2**20
+
+
+def tail_records(path: Any, max_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
+    """The JSON records of the last ``max_bytes`` of a timeline (a cut first line and a torn last line skipped).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    import json
+    import os
+
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        start = max(0, size - max_bytes)
+        fh.seek(start)
+        data = fh.read()
+    lines = data.split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # the first line is cut
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn line (a killed job) or garbage: not a record
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
     """Progress the previous attempt of a run lost: steps it ran after its last checkpoint.
 

@@ -201,3 +201,15 @@ def test_torch_distributed_checkpoint_save_and_load_are_timed(tmp_path):
                       ("torch.distributed.checkpoint.load", "checkpoint_load")]
     ckpts = [r for r in read_timeline(tmp_path / "timeline.jsonl") if r["kind"] == "checkpoint"]
     assert [(c["step"], c["source"]) for c in ckpts] == [(1, "torch.distributed.checkpoint.save")]
+
+
+def test_only_the_timelines_tail_is_read_at_start(tmp_path):
+    from mfuwatch.agent.goodput import tail_records
+
+    p = tmp_path / "t.jsonl"
+    old = "".join('{"kind":"step","step":%d,"steps":1,"step_time_seconds":1.0}\n' % i for i in range(1, 2001))
+    p.write_text(old + '{"kind":"attempt"}\n{"kind":"step","step":5,"steps":5,"step_time_seconds":2.0}\n{"kind":"st')
+    recs = tail_records(p, max_bytes=300)  # a cut first line, the last attempt, a torn last line
+    assert recs[-2:] == [{"kind": "attempt"}, {"kind": "step", "step": 5, "steps": 5, "step_time_seconds": 2.0}]
+    assert len(recs) < 10
+    assert steps_to_redo(recs)["steps"] == 5 and steps_to_redo(recs)["seconds"] == 10.0
