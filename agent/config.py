@@ -92,6 +92,14 @@ class AgentConfig:
     rank: int = 0  # from RANK
     local_rank: int = 0  # from LOCAL_RANK
     world_size: int = 1  # from WORLD_SIZE
+    # --- fleet (issue 18; validated by agent/fleet_config.py) ---
+    job: str = ""  # `job` label; "" = $MFUWATCH_JOB, Slurm job id, Kubernetes job name, else the run
+    hang_watchdog: bool = True  # find stuck steps and record the training thread's stack (never kills)
+    hang_factor: float = 5.0  # a step longer than 5x the recent median is stuck: far outside normal jitter
+    hang_floor_seconds: float = 60.0  # ...and longer than a minute: short steps jitter by whole seconds on busy hosts
+    goodput_warmup_steps: int = 2  # the first steps compile, allocate and warm caches: warm-up, not productive
+    auto_checkpoint_phases: bool = True  # time torch.save/load and torch.distributed.checkpoint as checkpoint phases
+    otlp_endpoint: Optional[str] = None  # also export over OTLP/HTTP (extra `otlp`), e.g. http://collector:4318/v1/metrics
 
     @property
     def exporter_port(self) -> int:
@@ -271,6 +279,9 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         _check_type(name, getattr(cfg, name), (int,), "a non-negative integer")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise ConfigError(f"rank/world_size: expected 0 <= rank < world_size, got rank={cfg.rank} world_size={cfg.world_size}")
+    from .fleet_config import validate_fleet  # fleet settings (job label, watchdog, goodput, OTLP)
+
+    validate_fleet(cfg, ConfigError)
     try:
         cfg.exporter_port  # noqa: B018 - base port + local rank must be a port
     except ValueError as exc:

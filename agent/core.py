@@ -14,6 +14,7 @@ dtype (PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -33,6 +34,8 @@ from .clock import Interval, StepClock
 from .config import AgentConfig, load_config
 from .errors import ErrorCounter
 from .exporter import Exporter
+from .fleet import FleetAccounting  # fleet (issue 18)
+from .job import job_labelled_view, resolve_job  # fleet (issue 18)
 from .schema import GpuHealth, RunInfo, StepMeasurement, WindowMeasurement, to_record
 from .timeline import Timeline
 
@@ -138,6 +141,7 @@ class Agent:
             dtype=self._dtype_key or "", flops_source=self.flop_model.source,
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
+        self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/job.py)
         self._peak: Optional[float] = None
         self._peak_warned = False
         self._run_info_dirty = False
@@ -147,7 +151,10 @@ class Agent:
 
         self.exporter = Exporter(self.run_info)
         self.registry = self.exporter.registry
+        self.exporter.exposed_registry = job_labelled_view(self.registry, self.run_info.job)  # fleet: `job` label
         self._sd_target = None
+        self.otlp = None  # fleet: optional OTLP export of the same series (agent/otlp.py)
+        self.fleet: Optional[FleetAccounting] = None  # fleet: counters, goodput, phases, hang watchdog
         self.nvml = None
         self.profiler = None
         self.alerts = None
@@ -172,6 +179,15 @@ class Agent:
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
+        if cfg.otlp_endpoint:
+            try:
+                from .otlp import OtlpBridge
+
+                self.otlp = OtlpBridge(self.exporter.exposed_registry, endpoint=cfg.otlp_endpoint)
+            except ImportError as exc:
+                log.warning("mfuwatch: %s; OTLP export is off", exc)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.count("otlp", exc)
         if cfg.file_sd_dir and self.exporter_url:
             from .distributed import register_agent
 
@@ -182,6 +198,10 @@ class Agent:
             raise ConfigError(f"timeline: cannot open {cfg.timeline!r} for appending ({type(exc).__name__}: "
                               f"{exc.strerror or exc}); expected a writable file path or null") from None
         self.clock = StepClock(self.device)
+        try:
+            self.fleet = FleetAccounting(self)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("fleet", exc)
 
         self._start_nvml()  # first: its PCI device id identifies the GPU in the peak table
         # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
@@ -192,6 +212,8 @@ class Agent:
 
         self._install_hooks(model, optimizer)
         self._write(to_record("run", self.run_info))
+        if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
+            self._write(self.fleet.attempt_record())
         self._run_info_dirty = False
         self._acc = _ReportSums()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
@@ -218,6 +240,11 @@ class Agent:
         if self._sd_target is not None:
             with self.errors.guard("close"):
                 self._sd_target.remove()
+        for part in ("fleet", "otlp"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                with self.errors.guard("close"):
+                    obj.close()
         with self.errors.guard("close"):
             self.timeline.close()
         _live_agents.discard(self)
@@ -374,6 +401,8 @@ class Agent:
                 # a metric pass in model.eval() (with or without no_grad) is not training. A model trained
                 # in eval mode passes its tokens with step(tokens=...) or tokens_per_step.
                 return None
+            if self.fleet is not None:
+                self.fleet.forward_start()  # fleet: goodput's input-wait / step split
             if self.config.tokens_per_step is None:
                 n, seq = count_tokens(args, kwargs)
                 self._pending_tokens += n
@@ -445,6 +474,38 @@ class Agent:
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
 
+    # --- fleet (issue 18, issue 16): phases -------------------------------------------------
+    def phase(self, name: str) -> Any:
+        """``with agent.phase("eval"):`` / ``"checkpoint"`` / ``"checkpoint_load"``: time that is not training.
+
+        The block's time goes to its goodput bucket (``mfuwatch_goodput_seconds_total{bucket}``),
+        stays out of step time (the next step is timed from the block's end) and pauses the
+        stalled-loop alert (``TrainingStalled``) and the hang watchdog. Use it between optimizer
+        steps on the training thread. Exceptions inside the block propagate unchanged.
+
+        Raises:
+            ValueError: an unknown phase name (the message lists the accepted ones).
+        """
+        from .goodput import phase_bucket
+
+        bucket = phase_bucket(name)  # a typo fails at the call, naming the accepted names
+        fleet = self.fleet
+        if fleet is None or self._closed:
+            return contextlib.nullcontext()
+        from .fleet import Phase
+
+        return Phase(fleet, name, bucket)
+
+    def begin_phase(self, name: str) -> None:
+        """Open phase ``name`` without a ``with`` block (framework callbacks); never raises."""
+        if self.fleet is not None and not self._closed:
+            self.fleet.enter(name)
+
+    def end_phase(self, name: Optional[str] = None) -> None:
+        """Close the innermost open phase (only if it is ``name``, when given); never raises."""
+        if self.fleet is not None and not self._closed:
+            self.fleet.exit(name)
+
     def record_loss(self, loss: Any) -> None:
         """Attach a loss (float or tensor) to the current step; read later without a sync on this thread."""
         try:
@@ -466,6 +527,8 @@ class Agent:
                 loss = loss.detach()
             self.flop_model.on_step_end(tokens)  # never raises; always leaves FlopCounterMode
             self.clock.mark(self._step, int(tokens or 0), loss)
+            if self.fleet is not None:
+                self.fleet.boundary(self._step)  # fleet: goodput bucket of the step, hang watchdog
             prof = self.profiler
             if prof is not None:
                 prof.on_step(self._step, self.latest.step_time_seconds if self.latest else None)
@@ -510,6 +573,9 @@ class Agent:
         acc.last = iv
         with self.errors.guard("exporter"):
             self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
+        if self.fleet is not None:  # fleet: FLOP and step-time counters, straggler score
+            with self.errors.guard("fleet"):
+                self.fleet.on_interval(iv.steps, iv.seconds, iv.tokens, self.flops_per_step)
 
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
@@ -626,6 +692,12 @@ class Agent:
         if self._sd_target is not None:
             with self.errors.guard("close"):
                 self._sd_target.remove()
+        if self.fleet is not None:
+            with self.errors.guard("fleet"):
+                self.fleet.close()  # fleet: watchdog thread, checkpoint hooks, the goodput tail
+        if self.otlp is not None:
+            with self.errors.guard("otlp"):
+                self.otlp.close()
         with self.errors.guard("timeline"):
             self.timeline.close()
         _live_agents.discard(self)

@@ -79,10 +79,19 @@ class M:
     AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
+    # --- fleet (issue 18): aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
+    MODEL_FLOPS_TOTAL = PREFIX + "model_flops_total"
+    HARDWARE_FLOPS_TOTAL = PREFIX + "hardware_flops_total"
+    STEP_SECONDS_TOTAL = PREFIX + "step_seconds_total"
+    GOODPUT_SECONDS_TOTAL = PREFIX + "goodput_seconds_total"  # {bucket}
+    GOODPUT_RATIO = PREFIX + "goodput_ratio"
+    STRAGGLER_SCORE = PREFIX + "straggler_score_ratio"
+    HANGS_TOTAL = PREFIX + "hangs_total"
+    HANG_INFO = PREFIX + "hang_info"  # {frame,collective}: one series while a step is stuck
 
 
-#: The labels every series carries.
-BASE_LABELS = ("run", "rank")
+#: The labels every series carries (``job`` is added by the exporter's view, :mod:`mfuwatch.agent.job`).
+BASE_LABELS = ("run", "rank", "job")
 
 #: Labels beyond ``run``/``rank`` for the metrics that have them.
 EXTRA_LABELS: Dict[str, tuple] = {
@@ -95,6 +104,8 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.AGENT_ERRORS_TOTAL: ("component",),
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
     M.ALERTS_FIRING: ("alertname", "severity"),
+    M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/goodput.py
+    M.HANG_INFO: ("frame", "collective"),  # fleet: at most one series, while a step is stuck
 }
 
 #: Time-breakdown categories of a profiler window. The GPU-busy ones sum to 1
@@ -124,6 +135,7 @@ class RunInfo:
     peak_memory_bandwidth_bytes_per_second: Optional[float] = None
     flops_source: str = ""  # "user" | "analytic" | "flop_counter"
     exporter_url: str = ""
+    job: str = ""  # fleet: the `job` label (agent/job.py), shared by every rank of one job
     versions: Dict[str, str] = field(default_factory=dict)
 
 

@@ -132,6 +132,21 @@ class MeasurementStore:
         self._prev_errors: Optional[Tuple[int, int]] = None  # (xid, uncorrected ecc) of the previous sample
         self._xid_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
         self._ecc_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
+        self.stall_paused = 0  # fleet: open agent phases (eval, checkpoint): not a stall
+
+    # -- fleet: agent.phase() pauses the stalled-loop signal ------------------------------------
+    def pause_stall(self) -> None:
+        """An evaluation or checkpoint phase began: ``seconds_since_last_step`` has no value until it ends."""
+        with self._lock:
+            self.stall_paused += 1
+
+    def resume_stall(self) -> None:
+        """The phase ended: the stall clock restarts now (as if a step had just been reported)."""
+        now = self._clock()
+        with self._lock:
+            self.stall_paused = max(0, self.stall_paused - 1)
+            if not self.stall_paused and self.last_step_at is not None:
+                self.last_step_at = now
 
     # -- feeding (training thread / agent threads) --------------------------------------------
     def observe_step(self, m: StepMeasurement) -> None:
@@ -185,6 +200,8 @@ class MeasurementStore:
                     return None
                 return float(self.window.breakdown["idle"])
             if signal == "seconds_since_last_step":
+                if self.stall_paused:  # fleet: an agent phase (eval, checkpoint) is open
+                    return None
                 return None if self.last_step_at is None else max(0.0, now - self.last_step_at)
             if signal == "gpu_throttle_reasons":
                 if self.gpu is None or not self.gpu.clock_event_reasons:

@@ -66,6 +66,39 @@ def tokens_in_batch(batch: Any) -> int:
     return int(n)
 
 
+def begin_phase(agent: Any, name: str) -> None:
+    """Open ``agent.phase(name)`` from a framework callback (agents without phases: nothing). Never raises."""
+    fn = getattr(agent, "begin_phase", None)
+    if fn is not None:
+        try:
+            fn(name)
+        except Exception as exc:  # noqa: BLE001
+            errors = getattr(agent, "errors", None)
+            if errors is not None:
+                errors.count("integration", exc)
+
+
+def end_phase(agent: Any, name: str) -> None:
+    """Close phase ``name`` if it is the innermost open one. Never raises."""
+    fn = getattr(agent, "end_phase", None)
+    if fn is not None:
+        try:
+            fn(name)
+        except Exception as exc:  # noqa: BLE001
+            errors = getattr(agent, "errors", None)
+            if errors is not None:
+                errors.count("integration", exc)
+
+
+def open_phase(agent: Any) -> Any:
+    """The innermost open phase of ``agent`` (``None`` when none, or for agents without phases)."""
+    fleet = getattr(agent, "fleet", None)
+    try:
+        return fleet.open_phase() if fleet is not None else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def mark_gap(agent: Any) -> None:
     """Tell ``agent`` that the time since its last step boundary was not training (eval, checkpoint).
 

@@ -10,11 +10,14 @@ Usage::
 
 Step boundaries come from ``on_step_end`` (once per optimizer step, after all
 ``gradient_accumulation_steps`` micro-batches), tokens from the model's forward pre-hook
-(B x T per training micro-batch, padding included), FLOPs from ``model.config`` and the
-``nn.Linear`` weights (``6 N + 12 L d T``, PaLM appendix B), rank / world size / dtype / run
-from ``TrainingArguments`` unless the agent config sets them; ``on_evaluate``/``on_save`` mark
-gaps; ``patch_kernels`` patches in ``on_init_end``, before the optimizer exists. Where each fact
-comes from, in detail: docs/integrations.md.
+(B x T per training micro-batch, padding included), FLOPs from the unwrapped model's
+architecture (docs/flops.md), rank / world size / dtype / run from ``TrainingArguments``
+unless the agent config sets them. Evaluation and checkpoints run inside
+``agent.phase("eval")``/``"checkpoint"`` (opened in ``on_step_end`` when the Trainer will
+evaluate or save, closed in ``on_evaluate``/``on_save``), so the stall alert and the hang
+watchdog pause and their time goes to the goodput buckets. ``patch_kernels`` patches in
+``on_init_end``, before the optimizer exists. Where each fact comes from, in detail:
+docs/integrations.md.
 
 Requires ``transformers`` (``pip install 'mfuwatch[hf]'``); importing
 :mod:`mfuwatch.agent` alone never imports it.
@@ -120,15 +123,37 @@ class MFUWatchCallback(TrainerCallback):
         agent = self.agent
         if agent is not None:
             agent.step()  # never raises: the agent counts its own failures
+            # fleet: the Trainer evaluates and saves right after this callback returns
+            if getattr(control, "should_evaluate", False):
+                _common.begin_phase(agent, "eval")
+            elif getattr(control, "should_save", False):
+                _common.begin_phase(agent, "checkpoint")
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A new optimizer step begins: a phase announced in ``on_step_end`` that never ran is closed here."""
+        agent = self.agent
+        if agent is not None:
+            for name in ("checkpoint", "eval"):
+                _common.end_phase(agent, name)
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """An evaluation batch: opens the eval phase when the evaluation was not announced by ``on_step_end``."""
+        agent = self.agent
+        if agent is not None and _common.open_phase(agent) is None:
+            _common.begin_phase(agent, "eval")
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Evaluation ran since the last step: not training time."""
         if self.agent is not None:
+            _common.end_phase(self.agent, "eval")
             _common.mark_gap(self.agent)
+            if getattr(control, "should_save", False):  # the save follows the evaluation
+                _common.begin_phase(self.agent, "checkpoint")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """A checkpoint was written since the last step: not training time."""
         if self.agent is not None:
+            _common.end_phase(self.agent, "checkpoint")
             _common.mark_gap(self.agent)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -134,6 +134,7 @@ class MFUWatchCallback(Callback):
             return
         if self._gap:
             self._gap = False
+            _common.end_phase(agent, "checkpoint")  # fleet: the checkpoint write ended before this batch
             if self._tokens == 0:  # only between optimizer steps, never inside an accumulation
                 _common.mark_gap(agent)
         try:
@@ -150,12 +151,21 @@ class MFUWatchCallback(Callback):
         tokens, self._tokens = self._tokens, 0
         agent.step(tokens=tokens or None)  # None: fall back to the forward hook's count
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """fleet: validation is the eval phase (stall alert and hang watchdog paused, goodput ``eval``)."""
+        if self.agent is not None and not trainer.sanity_checking:
+            _common.begin_phase(self.agent, "eval")
+
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.agent is not None and not trainer.sanity_checking:
+            _common.end_phase(self.agent, "eval")
             self._gap = True
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Dict[str, Any]) -> None:
+        """The checkpoint dict is built; Lightning writes it next: the checkpoint phase runs until the next batch."""
         if self.agent is not None:
+            if _common.open_phase(self.agent) != "checkpoint":
+                _common.begin_phase(self.agent, "checkpoint")
             self._gap = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

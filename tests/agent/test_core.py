@@ -171,8 +171,11 @@ def test_exporter_scraped_over_http():
     a._tick(final=False)
     samples = _scrape(a.exporter_url)
     a.close()
-    lab = (("rank", "0"), ("run", "scrape"))
+    lab = (("job", "scrape"), ("rank", "0"), ("run", "scrape"))  # job: the run's name when no job is known
     assert samples[("mfuwatch_steps_total", lab)] == 4
+    # 3 timed steps of 0.5 s (the first is untimed), 4 steps of 2e12 model FLOPs each
+    assert samples[("mfuwatch_model_flops_total", lab)] == pytest.approx(4 * 2e12)
+    assert samples[("mfuwatch_step_seconds_total", lab)] == pytest.approx(2.0)
     assert samples[("mfuwatch_tokens_total", lab)] == 400
     assert samples[("mfuwatch_mfu_ratio", lab)] == pytest.approx(2e12 / 0.5 / 1e13)
     assert samples[("mfuwatch_peak_flops_per_second", lab)] == 1e13

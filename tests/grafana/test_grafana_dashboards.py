@@ -14,7 +14,9 @@ import re
 
 import pytest
 
+from mfuwatch.agent.goodput import BUCKETS
 from mfuwatch.agent.schema import BASE_LABELS, CATEGORIES, EXTRA_LABELS, M
+from mfuwatch.alerts.fleet_rules import FleetRuleConfig, recording_rules
 from tests.helpers.grafana_dashboards import DATASOURCE_REF, load_dashboards, panels, parse_label_values, queries
 
 DASHBOARDS = load_dashboards()
@@ -32,11 +34,18 @@ NOT_ON_DASHBOARDS = {
     M.AGENT_ERRORS_TOTAL: "agent self-monitoring; has no series in a healthy run",
     M.NOTIFICATIONS_TOTAL: "notifier self-monitoring; has no series until a notification is sent",
     M.LAST_STEP_DURATION_SECONDS: "the step-time histogram gives the same per-rank mean, and quantiles",
+    M.MODEL_FLOPS_TOTAL: "read through the recorded job:mfuwatch_mfu:ratio (fleet rules)",
+    M.HARDWARE_FLOPS_TOTAL: "read through the recorded job:mfuwatch_hfu:ratio (fleet rules)",
+    M.STEP_SECONDS_TOTAL: "for sum/rate queries of other stores; the dashboards use the step-time histogram",
+    M.HANG_INFO: "has a series only while a step is stuck; the TrainingStalledRank notification shows its frame",
 }
+#: Series recorded by the fleet rules (grafana/prometheus/rules/mfuwatch-fleet.rules.yml) the dashboards read.
+RECORDED = {r["record"] for r in recording_rules(FleetRuleConfig())}
 ALL_METRICS = {v for k, v in vars(M).items() if k.isupper()}
 HISTOGRAM_SERIES = {M.STEP_DURATION_SECONDS + s for s in ("_bucket", "_sum", "_count")}
 #: Label values the exporter writes (schema docstrings: OpShare.bound, GpuHealth.ecc_errors keys).
 LABEL_VALUES = {"category": set(CATEGORIES), "bound": {"compute", "memory", "communication", "other"},
+                "bucket": set(BUCKETS),
                 "type": {"corrected", "uncorrected"}, "alertstate": {"firing", "pending"}}
 #: Labels outside the contract that the queries may use: histogram buckets, Prometheus's ALERTS,
 #: and the host of mfuwatch_run_info.
@@ -76,6 +85,8 @@ def test_everything_uses_the_datasource_variable(name):
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
     for p in panels(d):
         assert p["datasource"] == DATASOURCE_REF, p["title"]
+        if p["type"] == "row":
+            continue  # a row only groups panels: no queries
         assert p["targets"], p["title"]
         for t in p["targets"]:
             assert t["datasource"] == DATASOURCE_REF, (p["title"], t["refId"])
@@ -102,6 +113,8 @@ def test_everything_uses_the_datasource_variable(name):
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_every_panel_has_a_unit(name):
     for p in panels(DASHBOARDS[name]):
+        if p["type"] == "row":
+            continue  # a row only groups panels
         unit = p["fieldConfig"]["defaults"].get("unit", "")
         assert unit in KNOWN_UNITS or re.fullmatch(r"suffix:.+", unit), (p["title"], unit)
 
@@ -120,8 +133,10 @@ def test_run_and_rank_variables_come_from_run_info():
 def test_queries_use_contract_metric_names_labels_and_values():
     used = set()
     for q in all_queries():
-        names = set(re.findall(r"\bmfuwatch_\w+", q.expr))
-        assert names or q.expr.startswith("ALERTS"), q.where
+        recorded = set(re.findall(r"\b\w+:mfuwatch_\w+:\w+", q.expr))
+        assert recorded <= RECORDED, f"{q.where}: not recorded by the fleet rules: {recorded - RECORDED}"
+        names = set(re.findall(r"\bmfuwatch_\w+", re.sub(r"\b\w+:mfuwatch_\w+:\w+", "", q.expr)))
+        assert names or recorded or q.expr.startswith("ALERTS"), q.where
         unknown = names - ALL_METRICS - HISTOGRAM_SERIES
         assert not unknown, f"{q.dashboard} {q.where}: not in schema.M: {unknown}"
         used |= {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")

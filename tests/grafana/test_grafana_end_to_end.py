@@ -11,7 +11,8 @@ Set-up (once for the module): Debian's ``prometheus`` on 127.0.0.1 scrapes, ever
 
 Each panel target, annotation and variable query is then executed over the demo's lifetime
 through Prometheus's HTTP API, with Grafana's variables substituted, and must return a
-finite value; series must carry the labels their legend names. Empty results mean a metric
+finite value; series must carry the labels their legend names. The fleet recording rules
+(alerts/fleet_rules.py, 10 s windows) are loaded so that the recorded series the dashboards read exist. Empty results mean a metric
 or label name in a dashboard does not match what the exporter writes. Prometheus evaluates
 one test alerting rule so that the ``ALERTS`` annotation has series to find.
 The demo's own HTML report is opened in headless Chromium at the end.
@@ -35,6 +36,7 @@ import yaml
 from mfuwatch.agent.exporter import Exporter
 from mfuwatch.agent.nvml import NvmlSampler
 from mfuwatch.agent.schema import RunInfo
+from mfuwatch.alerts.fleet_rules import render_fleet
 from tests.helpers.debian_tools import ensure_binary
 from tests.helpers.fake_nvml import FakeNvml, make_gpus
 from tests.helpers.grafana_dashboards import (REPO, Query, legend_labels, load_dashboards, parse_label_values,
@@ -128,9 +130,11 @@ def stack(tmp_path_factory):
     (tmp / "test.rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "grafana-e2e", "rules": [
         {"alert": "GrafanaEndToEndProbe", "expr": "mfuwatch_run_info == 1", "labels": {"severity": "info"},
          "annotations": {"summary": "always firing: gives the ALERTS annotation query series to find"}}]}]}))
+    # the fleet recording rules feed the dashboards' recorded series (windows short enough for the demo's life)
+    (tmp / "fleet.rules.yml").write_text(render_fleet(window_seconds=10, goodput_window_seconds=10))
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "evaluation_interval": f"{SCRAPE_SECONDS}s"},
-        "rule_files": [str(tmp / "test.rules.yml")],
+        "rule_files": [str(tmp / "test.rules.yml"), str(tmp / "fleet.rules.yml")],
         "scrape_configs": [{"job_name": "mfuwatch", "static_configs": [
             {"targets": [f"127.0.0.1:{demo_port}", f"127.0.0.1:{gpu_port}"]}]}]}))
     url = f"http://127.0.0.1:{prom_port}"

@@ -58,7 +58,7 @@ class FakeTime(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.scrape_at_step:  # the agent's thread absorbs boundaries every 0.2 s
             deadline = time.monotonic() + 20
-            while 'steps_total{rank="0",run="hf-test"} 2.0' not in self.scraped and time.monotonic() < deadline:
+            while 'rank="0",run="hf-test"} 2.0' not in self.scraped and time.monotonic() < deadline:
                 time.sleep(0.05)
                 self.scraped = urllib.request.urlopen(self.mfu_cb.agent.exporter_url, timeout=5).read().decode()
 
@@ -109,8 +109,8 @@ def test_trainer_gradient_accumulation_tokens_and_mfu(tmp_path, tiny_llama):
     assert agent.registry.get_sample_value("mfuwatch_mfu_ratio", lab) == pytest.approx(records[-1]["mfu"])
 
     # scraped over HTTP while training ran (after step 2)
-    assert 'mfuwatch_steps_total{rank="0",run="hf-test"} 2.0' in fake.scraped
-    assert 'mfuwatch_tokens_total{rank="0",run="hf-test"} 128.0' in fake.scraped
+    assert 'mfuwatch_steps_total{job="hf-test",rank="0",run="hf-test"} 2.0' in fake.scraped
+    assert 'mfuwatch_tokens_total{job="hf-test",rank="0",run="hf-test"} 128.0' in fake.scraped
 
 
 def test_even_steps_give_exactly_b_times_t_times_accumulation(tmp_path, tiny_llama):
@@ -280,3 +280,55 @@ def test_real_kernel_patch_trains_the_same_model(tmp_path):
     assert p["loss"] == pytest.approx(plain["loss"], rel=1e-4)  # fp32: the fused kernels compute the same model
     assert p["step"] == plain["step"] == 2 and p["tokens"] == plain["tokens"] == 2 * (2 * SEQ)
     assert p["mfu"] > 0
+
+
+class SlowEval(TrainerCallback):
+    """Each evaluation batch takes ``seconds`` of real time (the alert engine's clock is the real one)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_prediction_step(self, args, state, control, **kw):
+        time.sleep(self.seconds)
+
+
+#: TrainingStalled pages after 2 s without a step; the watchdog looks every second.
+STALL_ALERTS = {"watchdog_interval": "1s", "evaluation_interval": "1s", "notifiers": [],
+                "rules": {"TrainingStalled": {"threshold": 2, "for": "0s"}}}
+
+
+def _stall_alerts(timeline):
+    return [r for r in read_timeline(timeline)
+            if r["kind"] == "alert" and r["alertname"] == "TrainingStalled" and r["status"] == "firing"]
+
+
+def test_evaluation_does_not_page_training_stalled(tmp_path, tiny_llama):
+    """Issue 16: the callback's mark_gap() came only after the eval, so a 4 s eval paged TrainingStalled."""
+    timeline = tmp_path / "timeline.jsonl"
+    agent_cfg = dict(AGENT, alerts=STALL_ALERTS, report_every_steps=1)
+    cb = MFUWatchCallback(run="hf-stall", exporter=False, timeline=str(timeline), hang_floor_seconds=1.0, **agent_cfg)
+    # 3 optimizer steps; after steps 2 and 3 (the last) an evaluation of 2 batches x 2 s (> the 2 s threshold)
+    _train(tmp_path, tiny_llama, 16, [cb, SlowEval(2.0)], eval_strategy="steps", eval_steps=2,
+           per_device_eval_batch_size=2, max_steps=3)
+    assert _stall_alerts(timeline) == []
+    phases = [r for r in read_timeline(timeline) if r["kind"] == "phase"]
+    assert [(p["name"], p["step"]) for p in phases] == [("eval", 2), ("eval", 3)]
+    assert all(p["seconds"] >= 4.0 for p in phases)
+    evals = cb.agent.registry.get_sample_value("mfuwatch_goodput_seconds_total",
+                                               {"run": "hf-stall", "rank": "0", "bucket": "eval"})
+    assert evals == pytest.approx(sum(p["seconds"] for p in phases), abs=0.05)
+    assert not [r for r in read_timeline(timeline) if r["kind"] == "hang"]  # the hang watchdog was paused too
+
+
+def test_the_same_pause_without_a_phase_does_page(tmp_path):
+    """Control for the test above: a 4 s pause between steps that is not a phase pages TrainingStalled."""
+    timeline = tmp_path / "timeline.jsonl"
+    agent = Agent(config=dict(AGENT, alerts=STALL_ALERTS, report_every_steps=1, exporter=False, run="hf-stall-ctl",
+                              timeline=str(timeline), flops_per_step=1e9, hang_watchdog=False))
+    for _ in range(3):
+        agent.step(tokens=10)
+        time.sleep(0.1)
+    time.sleep(4.0)
+    agent.step(tokens=10)
+    agent.close()
+    assert len(_stall_alerts(timeline)) == 1

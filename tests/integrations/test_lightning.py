@@ -6,6 +6,8 @@ has an exact expected value from the hand-counted FLOPs of conftest.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers.integration_fixtures import (SEQ, TokenDataset, expected_tokens, install_fake_clock,
@@ -166,3 +168,31 @@ def test_rank_facts_from_the_trainer(tmp_path, tiny_llama):
     assert (info.rank, info.local_rank, info.world_size) == (trainer.global_rank, trainer.local_rank, 1)
     assert info.dtype == "fp32"
     assert info.run  # a default run name was filled in
+
+
+class SleepyValidation(L.Callback):
+    """Each validation batch takes ``seconds`` of real time; counts the validations Lightning ran."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.validations = seconds, 0
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        time.sleep(self.seconds)
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validations += 1
+
+
+def test_validation_is_an_eval_phase_in_goodput(tmp_path, tiny_llama):
+    timeline = tmp_path / "timeline.jsonl"
+    cb = MFUWatchCallback(run="pl-phase", exporter=False, timeline=str(timeline), **AGENT)
+    sleepy = SleepyValidation(0.3)
+    _fit(LlamaModule(tiny_llama), 8, [cb, sleepy], val_every=2)
+    phases = [r for r in read_timeline(timeline) if r["kind"] == "phase"]
+    assert sleepy.validations >= 1
+    assert [p["name"] for p in phases] == ["eval"] * sleepy.validations
+    assert all(p["seconds"] >= 2 * 0.3 for p in phases)  # 2 validation batches of 0.3 s each
+    evals = cb.agent.registry.get_sample_value("mfuwatch_goodput_seconds_total",
+                                               {"run": "pl-phase", "rank": "0", "bucket": "eval"})
+    assert evals == pytest.approx(sum(p["seconds"] for p in phases), abs=0.05)

@@ -1,0 +1,335 @@
+"""Fleet accounting of one agent: aggregation-friendly counters, goodput, phases, hang watchdog, straggler score.
+
+One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fleet``). It owns
+
+* the monotonic counters that make job-level figures plain PromQL over ``rate()``:
+  ``mfuwatch_model_flops_total``, ``mfuwatch_hardware_flops_total`` (FLOPs of the
+  steps measured so far) and ``mfuwatch_step_seconds_total`` (device time of the
+  timed steps), beside ``steps_total``/``tokens_total``;
+* goodput (:mod:`mfuwatch.agent.goodput`): ``mfuwatch_goodput_seconds_total{bucket}``
+  and ``mfuwatch_goodput_ratio``;
+* ``agent.phase("eval")`` / ``agent.phase("checkpoint")``: the phase's time goes to
+  its goodput bucket, is left out of step time (the step clock restarts at the
+  phase's end) and pauses both the in-process ``TrainingStalled`` watchdog and the
+  hang watchdog;
+* the hang watchdog (:mod:`mfuwatch.agent.watchdog`): ``mfuwatch_hangs_total``,
+  ``mfuwatch_hang_info{frame}`` while a step is stuck, ``hang`` timeline records;
+* the straggler score (:mod:`mfuwatch.agent.straggler`): ``mfuwatch_straggler_score_ratio``;
+* lost progress after a restart, from the run's own timeline.
+
+Training-thread calls (:meth:`forward_start`, :meth:`boundary`, phases) cost a
+``perf_counter()`` and a few attribute writes; everything else runs on the
+agent's and the watchdog's threads. Every failure is counted under the
+components ``goodput``, ``watchdog``, ``phase`` or ``checkpoint`` and never
+reaches the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterable, Optional
+
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from . import checkpoint_hooks
+from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo, tail_records
+from .schema import M
+from .straggler import StragglerScore
+from .watchdog import HangReport, HangWatchdog
+
+log = logging.getLogger("mfuwatch")
+
+
+class Phase:
+    """``with agent.phase("eval"):`` — the context manager returned by :meth:`FleetAccounting.phase`.
+
+    Re-entrant use nests (an inner phase's time goes to the inner bucket).
+    Exceptions inside the block propagate unchanged.
+    """
+
+    def __init__(self, fleet: "FleetAccounting", name: str, bucket: str) -> None:
+        self._fleet, self.name, self.bucket = fleet, name, bucket
+
+    def __enter__(self) -> "Phase":
+        self._fleet.enter(self.name, self.bucket)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._fleet.exit(self.name)
+
+
+class _FleetCollector(Collector):
+    """Scrape-time series: goodput buckets and ratio, straggler score, hang info."""
+
+    def __init__(self, fleet: "FleetAccounting") -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterable[Any]:
+        f = self.fleet
+        base = [f.run, f.rank]
+        seconds = f.goodput.snapshot()
+        c = CounterMetricFamily(M.GOODPUT_SECONDS_TOTAL, "Wall time of this rank by goodput bucket "
+                                "(productive, input_wait, warmup, checkpoint_save, checkpoint_load, eval, "
+                                "lost_progress, startup, other)", labels=["run", "rank", "bucket"])
+        for b in BUCKETS:
+            c.add_metric(base + [b], seconds.get(b, 0.0))
+        yield c
+        ratio = GoodputClock.ratio(seconds)
+        if ratio is not None:
+            g = GaugeMetricFamily(M.GOODPUT_RATIO, "Productive step time / wall time since the agent started",
+                                  labels=["run", "rank"])
+            g.add_metric(base, ratio)
+            yield g
+        score = f.straggler.score()
+        if score is not None:
+            g = GaugeMetricFamily(M.STRAGGLER_SCORE, "Best recent step time / current median step time of this "
+                                  "rank (1 = as fast as its own best)", labels=["run", "rank"])
+            g.add_metric(base, score)
+            yield g
+        hang = f.current_hang
+        g = GaugeMetricFamily(M.HANG_INFO, "1 while the hang watchdog finds the current step stuck; frame = where "
+                              "the training thread waits", labels=["run", "rank", "frame", "collective"])
+        if hang is not None:
+            g.add_metric(base + [hang.where[-200:], (hang.last_collective or "")[:100]], 1.0)
+        yield g
+
+
+class FleetAccounting:
+    """The fleet side of one agent. Built by the agent (``agent.fleet``); never raises into it.
+
+    Args:
+        agent: the :class:`~mfuwatch.agent.core.Agent` (reads ``config``, ``run_info``,
+            ``registry``, ``errors``, ``timeline``, ``alerts``, ``mark_gap``).
+        now: ``time.perf_counter``-like clock (tests).
+    """
+
+    def __init__(self, agent: Any, now: Callable[[], float] = time.perf_counter) -> None:
+        cfg = agent.config
+        self.agent = agent
+        self.errors = agent.errors
+        self.run, self.rank = agent.run_info.run, str(agent.run_info.rank)
+        self._base = (self.run, self.rank)
+        self._train_thread: Optional[int] = None
+        self._in_step = False
+        self._closed = False
+        self.current_hang: Optional[HangReport] = None
+        self._open: list = []  # open phases: (name, bucket, perf_counter at entry)
+        self.resume = {"steps": 0.0, "seconds": 0.0, "last_step": 0.0, "checkpoint_step": 0.0}
+        if cfg.timeline:
+            try:
+                from pathlib import Path
+
+                if Path(cfg.timeline).is_file():
+                    self.resume = steps_to_redo(tail_records(cfg.timeline))
+            except Exception as exc:  # noqa: BLE001 - a torn or foreign timeline: no lost-progress figure
+                self.errors.count("goodput", exc)
+        self.goodput = GoodputClock(warmup_steps=cfg.goodput_warmup_steps, redo_steps=int(self.resume["steps"]),
+                                    now=now)
+        self.straggler = StragglerScore()
+        lab = ["run", "rank"]
+        reg = agent.registry
+        self.model_flops = Counter(M.MODEL_FLOPS_TOTAL.removesuffix("_total"), "Model FLOPs of the measured "
+                                   "optimizer steps (no recomputation)", lab, registry=reg)
+        self.hardware_flops = Counter(M.HARDWARE_FLOPS_TOTAL.removesuffix("_total"), "Executed FLOPs of the "
+                                      "measured optimizer steps (recomputation included)", lab, registry=reg)
+        self.step_seconds = Counter(M.STEP_SECONDS_TOTAL.removesuffix("_total"), "Device time of the timed "
+                                    "optimizer steps (phases and gaps excluded)", lab, registry=reg)
+        self.hangs = Counter(M.HANGS_TOTAL.removesuffix("_total"), "Steps the hang watchdog found stuck", lab,
+                             registry=reg)
+        for c in (self.model_flops, self.hardware_flops, self.step_seconds, self.hangs):
+            c.labels(*self._base)
+        reg.register(_FleetCollector(self))
+        self.watchdog: Optional[HangWatchdog] = None
+        if cfg.hang_watchdog:
+            self.watchdog = HangWatchdog(factor=cfg.hang_factor, floor_seconds=cfg.hang_floor_seconds,
+                                         check_interval_seconds=min(1.0, cfg.hang_floor_seconds / 4),
+                                         on_hang=self._on_hang, on_recover=self._on_recover,
+                                         on_error=self.errors.count, now=now).start()
+        self._auto_ckpt = bool(cfg.auto_checkpoint_phases)
+        if self._auto_ckpt:
+            try:
+                checkpoint_hooks.install(self)
+            except Exception as exc:  # noqa: BLE001
+                self._auto_ckpt = False
+                self.errors.count("checkpoint", exc)
+        self._graphs = self._compiled_graphs()
+
+    def attempt_record(self) -> dict:
+        """The ``attempt`` timeline record that opens this process's part of the timeline.
+
+        ``lost_*``: progress the previous attempt lost (its steps after its last checkpoint, which this
+        attempt re-does and counts as ``lost_progress``).
+        """
+        import os
+        import socket
+
+        return {"kind": "attempt", "pid": os.getpid(), "host": socket.gethostname(), "timestamp": time.time(),
+                **{f"lost_{k}": v for k, v in self.resume.items()}}
+
+    # ---------------------------------------------------------------- training thread
+    def forward_start(self) -> None:
+        """A training forward began (the model's forward pre-hook); counts once per step."""
+        if self._in_step:
+            return
+        try:
+            self._in_step = True
+            if self._train_thread is None:
+                self._train_thread = threading.get_ident()
+            self.goodput.forward_start()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("goodput", exc)
+
+    def boundary(self, step: int) -> None:
+        """Optimizer step ``step`` ended (the agent's step boundary)."""
+        try:
+            self._in_step = False
+            if self._train_thread is None:
+                self._train_thread = threading.get_ident()
+            graphs = self._compiled_graphs()
+            compiled = graphs > self._graphs
+            self._graphs = graphs
+            self.goodput.boundary(step, compiled)
+            if self.watchdog is not None:
+                self.watchdog.boundary(step)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("goodput", exc)
+
+    @staticmethod
+    def _compiled_graphs() -> int:
+        """Graphs compiled by ``torch.compile`` so far (0 when dynamo was never imported): a dict read."""
+        dyn = sys.modules.get("torch._dynamo.utils")
+        if dyn is None:
+            return 0
+        try:
+            return int(dyn.counters["stats"]["unique_graphs"])
+        except Exception:  # noqa: BLE001 - a torch without this counter: no recompilation detection
+            return 0
+
+    def phase(self, name: str) -> Phase:
+        """A context manager for a phase (``"eval"``, ``"checkpoint"``, ``"checkpoint_load"``).
+
+        Raises:
+            ValueError: an unknown phase name (listing the accepted ones), at the call.
+        """
+        return Phase(self, name, phase_bucket(name))
+
+    def enter(self, name: str, bucket: Optional[str] = None) -> None:
+        """Open phase ``name`` (also for framework callbacks with no ``with`` block). Never raises."""
+        try:
+            bucket = bucket or phase_bucket(name)
+            if self._train_thread is None:
+                self._train_thread = threading.get_ident()
+            self.goodput.enter(bucket)
+            if self.watchdog is not None:
+                self.watchdog.pause()
+            store = getattr(getattr(self.agent, "alerts", None), "store", None)
+            if store is not None and hasattr(store, "pause_stall"):
+                store.pause_stall()
+            self._open.append((name, bucket, time.perf_counter()))
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("phase", exc)
+
+    def exit(self, name: Optional[str] = None) -> None:
+        """Close the innermost open phase (``name``, when given, must match it, else nothing happens)."""
+        try:
+            opened = self._open
+            if not opened or (name is not None and opened[-1][0] != name):
+                return
+            pname, bucket, t0 = opened.pop()
+            state = self.goodput.exit()
+            if self.watchdog is not None:
+                self.watchdog.resume()
+            store = getattr(getattr(self.agent, "alerts", None), "store", None)
+            if store is not None and hasattr(store, "resume_stall"):
+                store.resume_stall()
+            if state == "between" and not opened:
+                self.agent.mark_gap()  # the next step is timed from here: the phase stays out of step time
+            rec = {"kind": "phase", "name": pname, "bucket": bucket, "step": int(getattr(self.agent, "_step", 0)),
+                   "seconds": time.perf_counter() - t0, "timestamp": time.time()}
+            self._write(rec)
+            if bucket == "checkpoint_save":
+                self._write({"kind": "checkpoint", "phase": "save", "step": rec["step"], "seconds": rec["seconds"],
+                             "source": pname, "timestamp": rec["timestamp"]})
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("phase", exc)
+
+    def open_phase(self) -> Optional[str]:
+        """The name of the innermost open phase, or ``None``."""
+        opened = self._open
+        return opened[-1][0] if opened else None
+
+    # checkpoint_hooks listener protocol
+    def owns_thread(self, thread_id: int) -> bool:
+        """Whether ``thread_id`` is this agent's training thread (known from its first step or forward)."""
+        return not self._closed and self._train_thread == thread_id
+
+    def checkpoint_enter(self, kind: str, source: str) -> None:
+        """A hooked checkpoint call (``source``, e.g. ``"torch.save"``) begins on the training thread."""
+        self.enter(source, "checkpoint_save" if kind == "save" else "checkpoint_load")
+
+    def checkpoint_exit(self, kind: str, seconds: float, source: str) -> None:
+        """The hooked call ended (or raised): its phase closes."""
+        self.exit(source)
+
+    def _write(self, record: dict) -> None:
+        try:
+            self.agent.timeline.write(record)
+        except Exception as exc:  # noqa: BLE001 - a full disk must not break a phase
+            self.errors.count("timeline", exc)
+
+    # ---------------------------------------------------------------- agent thread
+    def on_interval(self, steps: int, seconds: float, tokens: int, flops_per_step: Callable[[float], tuple]) -> None:
+        """Completed steps from the step clock: FLOP and step-time counters, straggler score.
+
+        ``seconds`` is the interval's device time (NaN for untimed steps);
+        ``flops_per_step(tokens_per_step)`` gives ``(model, hardware)`` FLOPs of one step.
+        """
+        try:
+            if steps <= 0:
+                return
+            model, hw = flops_per_step(tokens / steps)
+            if model:
+                self.model_flops.labels(*self._base).inc(model * steps)
+                self.hardware_flops.labels(*self._base).inc((hw or model) * steps)
+            if seconds == seconds and seconds > 0:  # not NaN
+                self.step_seconds.labels(*self._base).inc(seconds)
+                self.straggler.observe(seconds / steps, steps)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("goodput", exc)
+
+    def _on_hang(self, report: HangReport) -> None:
+        self.current_hang = report
+        self.hangs.labels(*self._base).inc()
+        log.warning("mfuwatch: step %d has run %.0f s (threshold %.0f s, median step %.3g s); the training thread "
+                    "waits at %s%s", report.step + 1, report.elapsed_seconds, report.threshold_seconds,
+                    report.median_step_seconds, report.where,
+                    f"; last collective: {report.last_collective}" if report.last_collective else "")
+        import dataclasses
+
+        self._write({"kind": "hang", **dataclasses.asdict(report)})
+
+    def _on_recover(self, step: int) -> None:
+        hang, self.current_hang = self.current_hang, None
+        if hang is not None:
+            self._write({"kind": "hang_resolved", "step": step + 1, "timestamp": time.time(),
+                         "stuck_seconds": time.time() - hang.timestamp + hang.elapsed_seconds})
+
+    # ---------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Stop the watchdog, unhook checkpoints, count the tail as ``other``. Idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.watchdog is not None:
+            with self.errors.guard("watchdog"):
+                self.watchdog.close()
+        if self._auto_ckpt:
+            with self.errors.guard("checkpoint"):
+                checkpoint_hooks.uninstall(self)
+        with self.errors.guard("goodput"):
+            self.goodput.close()

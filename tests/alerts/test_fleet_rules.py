@@ -1,0 +1,125 @@
+"""The fleet recording and alerting rules, run by ``promtool test rules`` over hand-built series of 3 ranks.
+
+Series (1-minute samples, job "train", run "r"): each rank does 1e12 model FLOP/s on a 1e13 FLOP/s peak
+(job MFU 0.1); ranks 0 and 2 step in 0.1 s, rank 1 in 0.13 s (a chronic straggler, ratio 1.3); rank 2 stops
+stepping at minute 10 (its watchdog reports the frame it waits in from minute 12); productive time is 70%
+of wall time on every rank (GoodputLow below 80%). The expected values below are computed by hand.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from mfuwatch.alerts.fleet_rules import render_fleet
+from tests.helpers.debian_tools import ensure_binary
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "grafana" / "prometheus" / "rules" / "mfuwatch-fleet.rules.yml"
+L = 'job="train",run="r"'
+
+
+def _rank(r: int) -> str:
+    return f'{L},rank="{r}",instance="node{r}:9478"'
+
+
+def _series():
+    s = []
+    for r in range(3):
+        lab = _rank(r)
+        stop = r == 2
+        s.append({"series": f"mfuwatch_model_flops_total{{{lab}}}",
+                  "values": "0+6e13x10 6e14x60" if stop else "0+6e13x70"})
+        s.append({"series": f"mfuwatch_peak_flops_per_second{{{lab}}}", "values": "1e13x70"})
+        per_step = 0.13 if r == 1 else 0.1
+        s.append({"series": f"mfuwatch_step_duration_seconds_sum{{{lab}}}",
+                  "values": f"0+{600 * per_step:g}x10 {6000 * per_step:g}x60" if stop else f"0+{600 * per_step:g}x70"})
+        s.append({"series": f"mfuwatch_step_duration_seconds_count{{{lab}}}",
+                  "values": "0+600x10 6000x60" if stop else "0+600x70"})
+        s.append({"series": f"mfuwatch_steps_total{{{lab}}}", "values": "0+600x10 6000x60" if stop else "0+600x70"})
+        s.append({"series": f"mfuwatch_last_step_timestamp_seconds{{{lab}}}",
+                  "values": "0+60x10 600x60" if stop else "0+60x70"})
+        s.append({"series": f"mfuwatch_last_step_duration_seconds{{{lab}}}", "values": f"{per_step:g}x70"})
+        s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="productive"}}', "values": "0+42x70"})
+        s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="input_wait"}}', "values": "0+18x70"})
+        s.append({"series": f'mfuwatch_run_info{{{lab},host="gpu-node-{r}"}}', "values": "1x70"})
+    s.append({"series": f'mfuwatch_hang_info{{{_rank(2)},frame="train.py:88 in next_batch",collective=""}}',
+              "values": "_x12 1x58"})
+    return s
+
+
+def _tests():
+    stalled_summary = ("Rank 2 on gpu-node-2 of run r has made no step for {d}; it is 6000 step(s) behind the leader")
+    return [{
+        "interval": "1m",
+        "input_series": _series(),
+        "promql_expr_test": [
+            # round(x, 1e-4): promtool 2.42 compares floats exactly
+            {"expr": "round(job:mfuwatch_mfu:ratio, 0.0001)", "eval_time": "8m",
+             "exp_samples": [{"labels": f"{{{L}}}", "value": 0.1}]},  # 3 x 1e12 / (3 x 1e13)
+            {"expr": "round(rank:mfuwatch_step_time_vs_fastest:ratio, 0.0001)", "eval_time": "8m",
+             "exp_samples": [{"labels": f'{{{L},rank="{r}"}}', "value": v} for r, v in ((0, 1.0), (1, 1.3), (2, 1.0))]},
+            {"expr": "rank:mfuwatch_step_time_vs_fastest:ratio", "eval_time": "20m",  # rank 2 stopped: no ratio
+             "exp_samples": [{"labels": f'rank:mfuwatch_step_time_vs_fastest:ratio{{{L},rank="{r}"}}', "value": v}
+                             for r, v in ((0, 1.0), (1, 1.3))]},
+            {"expr": "rank:mfuwatch_steps_behind_leader:count", "eval_time": "20m",
+             "exp_samples": [{"labels": f'rank:mfuwatch_steps_behind_leader:count{{{L},rank="{r}"}}', "value": v}
+                             for r, v in ((0, 0), (1, 0), (2, 6000))]},
+            {"expr": "round(job:mfuwatch_goodput:ratio, 0.0001)", "eval_time": "40m",
+             "exp_samples": [{"labels": f"{{{L}}}", "value": 0.7}]},  # 42 / (42 + 18)
+            {"expr": "job:mfuwatch_tokens_total:rate", "eval_time": "8m", "exp_samples": []},  # no tokens series
+        ],
+        "alert_rule_test": [
+            {"alertname": "StragglerRankChronic", "eval_time": "9m", "exp_alerts": []},  # pending: for 10m
+            {"alertname": "StragglerRankChronic", "eval_time": "16m", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "pattern": "chronic", "job": "train", "run": "r",
+                               "rank": "1", "host": "gpu-node-1"},
+                "exp_annotations": {
+                    "summary": "Rank 1 on gpu-node-1 is a chronic straggler of run r: step time 1.30x the fastest "
+                               "rank's",
+                    "description": "For 10m this rank's mean step time over 5m has stayed above 1.2x the fastest "
+                                   "rank's. Every synchronous step waits for it: check its GPU clocks and "
+                                   "throttling, its host's load, and its network link.",
+                    "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/StragglerRank.md"}}]},
+            {"alertname": "StragglerRankOneOff", "eval_time": "16m", "exp_alerts": []},
+            {"alertname": "TrainingStalledRank", "eval_time": "14m", "exp_alerts": []},  # 240 s < 300 s
+            {"alertname": "TrainingStalledRank", "eval_time": "20m", "exp_alerts": [{
+                "exp_labels": {"severity": "critical", "job": "train", "run": "r", "rank": "2",
+                               "instance": "node2:9478", "host": "gpu-node-2"},
+                "exp_annotations": {
+                    "summary": stalled_summary.format(d="10m 0s"),
+                    "description": "The training thread waits at: train.py:88 in next_batch. Ranks waiting in a "
+                                   "collective while one rank is behind point at that rank.",
+                    "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/"
+                                   "TrainingStalled.md"}}]},
+            {"alertname": "GoodputLow", "eval_time": "29m", "exp_alerts": []},
+            {"alertname": "GoodputLow", "eval_time": "65m", "exp_alerts": [{
+                "exp_labels": {"severity": "warning", "job": "train", "run": "r"},
+                "exp_annotations": {
+                    "summary": "Goodput of run r is 70%, below 80% for 30m",
+                    "description": "Productive step time over all wall time of the job's ranks (buckets in "
+                                   "mfuwatch_goodput_seconds_total: input_wait, warmup, checkpoint_save/load, "
+                                   "eval, lost_progress). The goodput row of the Cross-rank dashboard shows which "
+                                   "bucket grew.",
+                    "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/GoodputLow.md"}}]},
+        ],
+    }]
+
+
+def test_shipped_fleet_rules_are_the_rendered_ones():
+    assert SHIPPED.read_text() == render_fleet(), "render again: python -m mfuwatch.alerts.fleet_rules -o " + str(SHIPPED)
+
+
+def test_promtool_checks_and_unit_tests_the_fleet_rules(tmp_path):
+    promtool = ensure_binary(("promtool",), "prometheus")
+    rules = tmp_path / "fleet.rules.yml"
+    rules.write_text(render_fleet())
+    check = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    spec = tmp_path / "fleet.test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": _tests()},
+                                   sort_keys=False, width=10_000))
+    res = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
