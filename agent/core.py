@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -31,11 +31,11 @@ from torch import nn
 from . import flops as flops_mod
 from . import calibrate, peaks
 from .clock import Interval, StepClock
-from .config import AgentConfig, load_config
+from .config import AgentConfig, ConfigError, load_config
 from .errors import ErrorCounter
 from .exporter import Exporter
-from .fleet import FleetAccounting  # fleet (issue 18)
-from .job import job_labelled_view, resolve_job  # fleet (issue 18)
+from .fleet import FleetAccounting
+from .job import job_labelled_view, resolve_job
 from .schema import GpuHealth, RunInfo, StepMeasurement, WindowMeasurement, to_record
 from .timeline import Timeline
 
@@ -151,7 +151,7 @@ class Agent:
 
         self.exporter = Exporter(self.run_info)
         self.registry = self.exporter.registry
-        self.exporter.exposed_registry = job_labelled_view(self.registry, self.run_info.job)  # fleet: `job` label
+        self.exporter.exposed_registry = job_labelled_view(self.exporter.exposed_registry, self.run_info.job)
         self._sd_target = None
         self.otlp = None  # fleet: optional OTLP export of the same series (agent/otlp.py)
         self.fleet: Optional[FleetAccounting] = None  # fleet: counters, goodput, phases, hang watchdog

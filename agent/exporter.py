@@ -239,7 +239,9 @@ class Exporter:
         self.url = ""
         #: Told ``("collector", exc)`` of a collector that failed during a scrape (the agent's error counter).
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
-        self.exposed_registry = self.registry  # what /metrics serves (the agent sets a `job`-labelled view)
+        #: what /metrics serves: the registry, each collector under its own guard (the agent wraps it in a
+        #: `job`-labelled view)
+        self.exposed_registry: Any = GuardedRegistry(self.registry, self._on_error)
         # Touch the label sets so the series exist (at 0) from the first scrape.
         self.steps.labels(*self._base)
         self.tokens.labels(*self._base)
@@ -273,7 +275,7 @@ class Exporter:
         candidates = [0] if port == 0 else range(port, min(port + tries, 65536))
         for p in candidates:
             try:
-                result = start_http_server(p, addr=bind, registry=GuardedRegistry(self.exposed_registry, self._on_error),
+                result = start_http_server(p, addr=bind, registry=self.exposed_registry,
                                            certfile=certfile, keyfile=keyfile)
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
