@@ -546,7 +546,7 @@ def check_rms_inputs(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},), the input's last dimension")
 
 
-#: RMSNorm casting modes (see :mod:`.rmsnorm`).
+#: RMSNorm casting modes (see :mod:`.rms_norm`).
 CASTINGS = ("auto", "llama", "fp32")
 
 

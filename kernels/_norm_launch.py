@@ -293,7 +293,7 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
             dtype, or ``xs``'s without a weight.
         dx_copy: None, or a new contiguous tensor shaped like ``xs`` in its dtype
             that the kernel also writes ``dxs`` into: a second gradient tensor for one
-            more write, where a copy would read and write (see :mod:`.add_rmsnorm`).
+            more write, where a copy would read and write (see :mod:`.add_rms_norm`).
     Returns:
         ``(dxs, dw, db)``: ``dxs`` shaped like ``xs`` in its dtype; ``dw`` shaped
         like the weight, in its dtype; ``db`` as ``(N,)`` in ``b_dtype`` (None

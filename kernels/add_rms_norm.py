@@ -12,7 +12,7 @@ output once::
 The norm is taken of the *rounded* sum, exactly what the unfused code
 normalises. Backward: ``d(sum) = rms_norm_backward(d normed) + d(new_residual)``,
 which is the gradient of both ``x`` and ``residual``. Casting modes as in
-:mod:`.rmsnorm`. No module pattern replaces this op (the residual add lives
+:mod:`.rms_norm`. No module pattern replaces this op (the residual add lives
 in a decoder layer's ``forward``): call it from model code, or use
 ``RMSNorm.forward(x, residual)``.
 """

@@ -7,7 +7,7 @@
 
 Kernels and the math are in :mod:`._glu_triton`; dispatch (eager fast path vs.
 the ``torch.ops.mfuwatch.swiglu``/``geglu`` custom ops under ``torch.compile``
-and dispatch modes) as in :mod:`.rmsnorm`.
+and dispatch modes) as in :mod:`.rms_norm`.
 """
 
 from typing import Tuple

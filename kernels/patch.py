@@ -41,8 +41,8 @@ from torch import nn
 
 from ._common import INTERPRET
 from .glu import GeGLUMLP, SwiGLUMLP
-from .layernorm import LayerNorm
-from .rmsnorm import RMSNorm
+from .layer_norm import LayerNorm
+from .rms_norm import RMSNorm
 
 KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
 _ORIGINAL = "_mfuwatch_original"

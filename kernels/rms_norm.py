@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from . import _flops
 from . import _norm_launch as K
 from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
-from .add_rmsnorm import add_rms_norm_trailing
+from .add_rms_norm import add_rms_norm_trailing
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)
 

@@ -1,14 +1,15 @@
 """patch()/unpatch() on real module trees: a tiny Hugging Face Llama built from a config (no download)."""
 
+import importlib
 import pytest
 import torch
 from torch import nn
 
 import mfuwatch.kernels as mk
-from mfuwatch.kernels import patching
+patching = importlib.import_module("mfuwatch.kernels.patch")
 from mfuwatch.kernels.glu import GeGLUMLP, SwiGLUMLP
-from mfuwatch.kernels.layernorm import LayerNorm
-from mfuwatch.kernels.rmsnorm import RMSNorm
+from mfuwatch.kernels.layer_norm import LayerNorm
+from mfuwatch.kernels.rms_norm import RMSNorm
 from tests.helpers.kernel_checks import DEVICE
 
 transformers = pytest.importorskip("transformers")
