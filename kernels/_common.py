@@ -488,6 +488,23 @@ def tuned_settings() -> Dict[Hashable, Any]:
     return dict(_TUNED)
 
 
+#: Under ``torch.compile``, hand Inductor the ops it fuses itself (norms, GLUs, rotary) as PyTorch ops instead of
+#: the custom ops (``MFUWATCH_KERNELS_COMPILE_DECOMPOSE=0`` keeps the Triton kernels inside compiled graphs).
+COMPILE_DECOMPOSE = env_flag("MFUWATCH_KERNELS_COMPILE_DECOMPOSE", True)
+
+
+def compile_decomposes() -> bool:
+    """Whether a fused op should be written out in PyTorch ops here: while ``torch.compile`` traces (and
+    :data:`COMPILE_DECOMPOSE` is on).
+
+    A custom op is opaque to Inductor, which then cannot fuse the op with its neighbours (the cast before a
+    norm, the residual add, the projection's epilogue); the written-out form lets it, and computes as the
+    kernels do (fp32 math, one rounding per output). ``FlopCounterMode`` and tensor subclasses outside
+    ``torch.compile`` still take the custom ops (:func:`use_custom_op`).
+    """
+    return COMPILE_DECOMPOSE and torch.compiler.is_compiling()
+
+
 def use_custom_op(*tensors) -> bool:
     """Whether a call must go through the registered ``torch.ops.mfuwatch`` op.
 

@@ -363,6 +363,30 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
 # PyTorch fallback for CPU tensors when Triton cannot run (no GPU, interpreter off): same math.
 # --------------------------------------------------------------------------------------------
 
+def norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   residual: Optional[torch.Tensor], n: int, eps: float, offset: float, is_rms: bool,
+                   llama_cast: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(y, s)`` of :func:`norm_fwd` in differentiable PyTorch ops (the graph ``torch.compile`` is given).
+
+    Same roundings as the kernels: the sum ``s`` rounded to its dtype, statistics in fp32, under Llama
+    casting ``xhat`` rounded to ``s``'s dtype before the weight, one rounding of ``y``. ``n`` elements per row.
+    """
+    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y_dtype = torch.promote_types(s_dtype, weight.dtype) if (llama_cast and weight is not None) else s_dtype
+    s = None if residual is None else (x.float() + residual.float()).to(s_dtype)
+    xs = x if s is None else s
+    xf = xs.float().reshape(-1, n)
+    xc = xf if is_rms else xf - xf.mean(-1, keepdim=True)
+    out = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        if llama_cast:
+            out = out.to(s_dtype).float()
+        out = out * (weight.reshape(n).float() + offset)
+    if bias is not None:
+        out = out + bias.reshape(n).float()
+    return out.to(y_dtype).reshape(x.shape), s
+
+
 def _torch_fwd(x2, residual, weight, bias, n, eps, offset, is_rms, llama_cast, y, s, mean, rstd):
     xs = x2
     if residual is not None:

@@ -25,7 +25,8 @@ from torch import Tensor
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
+from ._common import (check_rms_inputs, compile_decomposes, empty_width_norm, first_order_only, needs_grad,
+                      resolve_casting, use_custom_op)
 
 
 def _width(x: Tensor, n_dims: int) -> int:
@@ -217,6 +218,8 @@ def add_rms_norm_trailing(x: Tensor, residual: Tensor, weight: Optional[Tensor],
     if n == 0:  # nothing to normalise: empty results, autograd-linked
         h = x + residual
         return empty_width_norm(h, weight, offset, llama), h
+    if compile_decomposes():  # Inductor fuses the written-out add and norm with their neighbours
+        return K.norm_reference(x, weight, None, residual, n, eps, offset, True, llama)
     if use_custom_op(x, residual, weight):
         y, s, _ = torch.ops.mfuwatch.add_rms_norm(x, residual, weight, eps, offset, llama, n_dims)
         return y, s
