@@ -30,7 +30,7 @@ import sys
 import types
 
 #: Kernel names accepted by :func:`patch` (and used by the suggestions registry).
-AVAILABLE_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+AVAILABLE_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary")
 
 _LAZY = {
     "rms_norm": ".rms_norm",
@@ -46,6 +46,8 @@ _LAZY = {
     "SwiGLUMLP": ".glu",
     "GeGLUMLP": ".glu",
     "GLUFunction": ".glu",
+    "apply_rotary": ".rotary",
+    "RotaryFunction": ".rotary",
     "patch": ".patch",
     "unpatch": ".patch",
     "PatchReport": ".patch",

@@ -19,14 +19,19 @@ add_rms_norm    read x, residual, w; write y,    read s, dy, d(new residual), w;
 swiglu, geglu   read gate, up; write y:          read gate, up, dy; write dgate, dup:
                 ``3*E*b`` (hidden = the          ``5*E*b``
                 intermediate size)
+rotary          read x; write x_embed: ``2*E*b``  read dy; write dx: ``2*E*b``
+                (one of q, k: rows = B*H*T,       (cos/sin: ``2*B*T*R`` elements per
+                hidden = D)                       call, shared by all heads, left out)
 ==============  ===============================  =====================================
 """
 
 from __future__ import annotations
 
 # (activation multiple of E*b, weight-vector multiple of H*wb) per kernel, forward and backward
-_FWD = {"rms_norm": (2, 1), "layer_norm": (2, 2), "add_rms_norm": (4, 1), "swiglu": (3, 0), "geglu": (3, 0)}
-_BWD = {"rms_norm": (3, 2), "layer_norm": (3, 4), "add_rms_norm": (4, 2), "swiglu": (5, 0), "geglu": (5, 0)}
+_FWD = {"rms_norm": (2, 1), "layer_norm": (2, 2), "add_rms_norm": (4, 1), "swiglu": (3, 0), "geglu": (3, 0),
+        "rotary": (2, 0)}
+_BWD = {"rms_norm": (3, 2), "layer_norm": (3, 4), "add_rms_norm": (4, 2), "swiglu": (5, 0), "geglu": (5, 0),
+        "rotary": (2, 0)}
 
 
 def minimal_bytes(kernel: str, rows: int, hidden: int, dtype_bytes: int = 2, *, backward: bool = False,

@@ -24,6 +24,12 @@ def test_other_kernels_by_hand():
     assert minimal_bytes("geglu", 8192, 11008, backward=True) == 5 * 180_355_072
 
 
+def test_rotary_by_hand():
+    # k of Llama-3-8B at 16384 tokens: 8 heads x 128 dims, bf16 = 33,554,432 bytes; read and written each way
+    assert minimal_bytes("rotary", 16384 * 8, 128) == 2 * 33_554_432
+    assert minimal_bytes("rotary", 16384 * 8, 128, backward=True) == 2 * 33_554_432
+
+
 def test_errors_and_names():
     for kernel in mk.AVAILABLE_KERNELS:  # one kernel list (the package's): each has its byte count
         assert minimal_bytes(kernel, 2, 4) > 0, kernel
