@@ -15,7 +15,7 @@ This is ``x * cos + rotate_half(x) * sin`` element for element, whatever values 
 
 Bytes per call (``e`` bytes per element, ``Hq + Hk`` heads): read and write ``(Hq + Hk) D``
 elements and read ``2 R`` of ``cos``/``sin`` per token, forward and backward alike. One program
-per (batch, token) reads that token's ``cos``/``sin`` once and loops over the heads; all
+per (batch, block of tokens) reads those tokens' ``cos``/``sin`` once and loops over the heads; all
 arithmetic in fp32, one rounding per output; int64 offsets.
 """
 
@@ -27,38 +27,43 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, device_guard, pow2_at_least, use_triton
+from ._common import INTERPRET, Launcher, cdiv, device_guard, pow2_at_least, use_triton
+
+#: Elements of one half-tile (tokens x heads x pairs) per step of a program; larger under the interpreter,
+#: whose time goes by the number of programs and steps, not by their size.
+_TILE, _INTERPRETER_TILE = 2048, 1 << 16
 
 
 @triton.jit
 def _rotate_heads(
     X, Y,  # X: (B, H, T, D) input, Y: (B, H, T, D) output, each with the strides below
     sx_b, sx_h, sx_t, sx_d, sy_b, sy_h, sy_t, sy_d,
-    b, t, H, D, R,
-    i1, i2, mj, c1, c2, s1, s2,  # pair indices (BLOCK_R,), their mask, cos/sin at them (fp32)
+    b, t, mt, H, D, R,  # t: (BLOCK_T,) token indices, mt their mask
+    i1, i2, mj, c1, c2, s1, s2,  # pair indices (BLOCK_R,), their mask; cos/sin at them (BLOCK_T, BLOCK_R) fp32
     BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    c1, c2, s1, s2 = c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :]
     for h0 in range(0, H, BLOCK_H):
         h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        mh = h < H
-        m = mh[:, None] & mj[None, :]
-        xb = X + b * sx_b + t * sx_t + h[:, None] * sx_h
-        yb = Y + b * sy_b + t * sy_t + h[:, None] * sy_h
-        x1 = tl.load(xb + i1[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(xb + i2[None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+        mth = mt[:, None, None] & (h < H)[None, :, None]
+        m = mth & mj[None, None, :]
+        xb = X + b * sx_b + t[:, None, None] * sx_t + h[None, :, None] * sx_h  # (BLOCK_T, BLOCK_H, 1) pointers
+        yb = Y + b * sy_b + t[:, None, None] * sy_t + h[None, :, None] * sy_h
+        x1 = tl.load(xb + i1[None, None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + i2[None, None, :] * sx_d, mask=m, other=0.0).to(tl.float32)
         if BACKWARD:
-            y1 = x1 * c1[None, :] + x2 * s2[None, :]
-            y2 = x2 * c2[None, :] - x1 * s1[None, :]
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
         else:
-            y1 = x1 * c1[None, :] - x2 * s1[None, :]
-            y2 = x2 * c2[None, :] + x1 * s2[None, :]
-        tl.store(yb + i1[None, :] * sy_d, y1.to(Y.dtype.element_ty), mask=m)
-        tl.store(yb + i2[None, :] * sy_d, y2.to(Y.dtype.element_ty), mask=m)
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        tl.store(yb + i1[None, None, :] * sy_d, y1.to(Y.dtype.element_ty), mask=m)
+        tl.store(yb + i2[None, None, :] * sy_d, y2.to(Y.dtype.element_ty), mask=m)
         if HAS_PASS:  # dims R..D are passed through (partial rotary)
             p = (R + tl.arange(0, BLOCK_P)).to(tl.int64)
-            mp = mh[:, None] & (p < D)[None, :]
-            v = tl.load(xb + p[None, :] * sx_d, mask=mp, other=0.0)
-            tl.store(yb + p[None, :] * sy_d, v.to(Y.dtype.element_ty), mask=mp)
+            mp = mth & (p < D)[None, None, :]
+            v = tl.load(xb + p[None, None, :] * sx_d, mask=mp, other=0.0)
+            tl.store(yb + p[None, None, :] * sy_d, v.to(Y.dtype.element_ty), mask=mp)
 
 
 @triton.jit
@@ -68,13 +73,14 @@ def _rotary_kernel(
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
     sqo_b, sqo_h, sqo_t, sqo_d, sko_b, sko_h, sko_t, sko_d,
     sc_b, sc_t, sc_r, ss_b, ss_t, ss_r,
-    T, HQ, HK, D, R,
+    T, HQ, HK, D, R, n_t_blocks,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // T
-    t = pid % T
+    b = pid // n_t_blocks
+    t = (pid % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    mt = t < T
     j = tl.arange(0, BLOCK_R).to(tl.int64)
     half = R // 2
     mj = j < half
@@ -84,15 +90,16 @@ def _rotary_kernel(
     else:
         i1 = j
         i2 = j + half
-    cb = C + b * sc_b + t * sc_t
-    sb = S + b * ss_b + t * ss_t
-    c1 = tl.load(cb + i1 * sc_r, mask=mj, other=0.0).to(tl.float32)
-    c2 = tl.load(cb + i2 * sc_r, mask=mj, other=0.0).to(tl.float32)
-    s1 = tl.load(sb + i1 * ss_r, mask=mj, other=0.0).to(tl.float32)
-    s2 = tl.load(sb + i2 * ss_r, mask=mj, other=0.0).to(tl.float32)
-    _rotate_heads(Q, QO, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d, b, t, HQ, D, R,
+    m = mt[:, None] & mj[None, :]
+    cb = C + b * sc_b + t[:, None] * sc_t
+    sb = S + b * ss_b + t[:, None] * ss_t
+    c1 = tl.load(cb + i1[None, :] * sc_r, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cb + i2[None, :] * sc_r, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sb + i1[None, :] * ss_r, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sb + i2[None, :] * ss_r, mask=m, other=0.0).to(tl.float32)
+    _rotate_heads(Q, QO, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d, b, t, mt, HQ, D, R,
                   i1, i2, mj, c1, c2, s1, s2, BACKWARD, HAS_PASS, BLOCK_H, BLOCK_P)
-    _rotate_heads(K, KO, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d, b, t, HK, D, R,
+    _rotate_heads(K, KO, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d, b, t, mt, HK, D, R,
                   i1, i2, mj, c1, c2, s1, s2, BACKWARD, HAS_PASS, BLOCK_H, BLOCK_P)
 
 
@@ -180,12 +187,15 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     sin = sin.expand(b, t, r)
     block_r = pow2_at_least(r // 2)
     block_p = pow2_at_least(d - r)
-    # heads per step: about 4096 elements of each half-tile, at most all heads
-    block_h = max(1, min(pow2_at_least(max(hq, hk)), 4096 // block_r))
+    # a tile of (tokens, heads, pairs): up to TILE elements per half, all heads when they fit, then tokens
+    tile = _INTERPRETER_TILE if INTERPRET else _TILE
+    block_h = max(1, min(pow2_at_least(max(hq, hk)), tile // block_r))
+    block_t = max(1, min(pow2_at_least(t), tile // (block_r * block_h)))
+    n_tb = cdiv(t, block_t)
     args = (q, k, qo, ko, cos, sin, *_strides4(q), *_strides4(k), *_strides4(qo), *_strides4(ko),
-            *cos.stride(), *sin.stride(), t, hq, hk, d, r)
+            *cos.stride(), *sin.stride(), t, hq, hk, d, r, n_tb)
     consts = {"INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_PASS": r < d,
-              "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_P": block_p}
+              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_P": block_p}
     with device_guard(q):
-        _LAUNCH(b * t, args, consts, 4 if block_h * block_r <= 2048 else 8)
+        _LAUNCH(b * n_tb, args, consts, 4 if block_t * block_h * block_r <= 2048 else 8)
     return qo, ko
