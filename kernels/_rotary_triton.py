@@ -75,7 +75,8 @@ def _rotary_kernel(
     sc_b, sc_t, sc_r, ss_b, ss_t, ss_r,
     T, HQ, HK, D, R, n_t_blocks,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, HAS_PASS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // n_t_blocks
@@ -98,9 +99,9 @@ def _rotary_kernel(
     s1 = tl.load(sb + i1[None, :] * ss_r, mask=m, other=0.0).to(tl.float32)
     s2 = tl.load(sb + i2[None, :] * ss_r, mask=m, other=0.0).to(tl.float32)
     _rotate_heads(Q, QO, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d, b, t, mt, HQ, D, R,
-                  i1, i2, mj, c1, c2, s1, s2, BACKWARD, HAS_PASS, BLOCK_H, BLOCK_P)
+                  i1, i2, mj, c1, c2, s1, s2, BACKWARD, HAS_PASS, BLOCK_HQ, BLOCK_P)
     _rotate_heads(K, KO, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d, b, t, mt, HK, D, R,
-                  i1, i2, mj, c1, c2, s1, s2, BACKWARD, HAS_PASS, BLOCK_H, BLOCK_P)
+                  i1, i2, mj, c1, c2, s1, s2, BACKWARD, HAS_PASS, BLOCK_HK, BLOCK_P)
 
 
 _LAUNCH = Launcher(_rotary_kernel)
@@ -189,13 +190,14 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     block_p = pow2_at_least(d - r)
     # a tile of (tokens, heads, pairs): up to TILE elements per half, all heads when they fit, then tokens
     tile = _INTERPRETER_TILE if INTERPRET else _TILE
-    block_h = max(1, min(pow2_at_least(max(hq, hk)), tile // block_r))
-    block_t = max(1, min(pow2_at_least(t), tile // (block_r * block_h)))
+    block_hq = max(1, min(pow2_at_least(hq), tile // block_r))
+    block_hk = max(1, min(pow2_at_least(hk), tile // block_r))
+    block_t = max(1, min(pow2_at_least(t), tile // (block_r * max(block_hq, block_hk))))
     n_tb = cdiv(t, block_t)
     args = (q, k, qo, ko, cos, sin, *_strides4(q), *_strides4(k), *_strides4(qo), *_strides4(ko),
             *cos.stride(), *sin.stride(), t, hq, hk, d, r, n_tb)
     consts = {"INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_PASS": r < d,
-              "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_P": block_p}
+              "BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r, "BLOCK_P": block_p}
     with device_guard(q):
-        _LAUNCH(b * n_tb, args, consts, 4 if block_t * block_h * block_r <= 2048 else 8)
+        _LAUNCH(b * n_tb, args, consts, 4 if block_t * max(block_hq, block_hk) * block_r <= 2048 else 8)
     return qo, ko

@@ -59,9 +59,9 @@ SCRIPT = textwrap.dedent(
     names = list(RT._rotary_kernel.arg_names)
     for dt, (interleaved, backward, has_pass) in [("bf16", (False, False, False)), ("bf16", (False, True, True)),
                                                   ("fp32", (True, False, False))]:
-        sig = {a: ("*" + dt if i < 6 else "i32") for i, a in enumerate(names[:-7])}
+        sig = {a: ("*" + dt if i < 6 else "i32") for i, a in enumerate(names[:-8])}
         comp(RT._rotary_kernel, sig, dict(INTERLEAVED=interleaved, BACKWARD=backward, HAS_PASS=has_pass, BLOCK_T=1,
-                                          BLOCK_H=32, BLOCK_R=64, BLOCK_P=32 if has_pass else 1), 4)
+                                          BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_P=32 if has_pass else 1), 4)
     print("compiled", n)
     """
 )
