@@ -142,3 +142,22 @@ def test_flop_counter_and_custom_op_path(gen):
     q64 = q.detach().double().requires_grad_()
     ref_rotary(q64, cos, sin, False).sum().backward()
     assert_close(q.grad, q64.grad, torch.float32, "custom-op dq")
+
+
+def test_mixed_dtypes_promote_and_a_strided_head_dim(gen):
+    # bf16 q, k with fp32 cos/sin give fp32 results (as q * cos would); a head dim with stride 2 is read in place
+    wide = torch.randn(2, 3, 5, 24, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    q = wide[..., ::2]  # (2, 3, 5, 12), stride 2 along D
+    k = torch.randn(2, 1, 5, 12, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    cos, sin = angles(2, 5, 8, gen, torch.float32)
+    qe, ke = mk.apply_rotary(q, k, cos, sin)
+    assert qe.dtype == ke.dtype == torch.float32
+    assert_close(qe, ref_rotary(q, cos, sin, False), torch.float32, "q_embed")
+    assert_close(ke, ref_rotary(k, cos, sin, False), torch.float32, "k_embed")
+    g = torch.randn(qe.shape, generator=gen).to(DEVICE)
+    (qe * g).sum().add(ke.sum()).backward()
+    assert wide.grad.dtype == torch.bfloat16 and k.grad.dtype == torch.bfloat16
+    q64 = q.detach().double().requires_grad_()
+    (ref_rotary(q64, cos, sin, False) * g.double()).sum().backward()
+    assert_close(wide.grad[..., ::2], q64.grad, torch.bfloat16, "dq")
+    assert wide.grad[..., 1::2].abs().max() == 0
