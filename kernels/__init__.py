@@ -10,10 +10,10 @@ model for the fused ones::
     mfuwatch.kernels.unpatch(model)     # the original modules back
 
 One file stem per op (``rms_norm.py`` holds ``rms_norm``, ``RMSNormFunction``
-and ``RMSNorm``), ``patch.py`` for :func:`patch`, ``registry.py`` for the
+and ``RMSNorm``), ``patching.py`` for :func:`patch`, ``registry.py`` for the
 suggestions table the agent reads (op pattern -> remedy) and ``traffic.py``
 for the bytes each kernel must move. A name that is both a function and a submodule (``rms_norm``,
-``patch``, ...) is always the function here, even after the submodule is
+``layer_norm``, ``add_rms_norm``) is always the function here, even after the submodule is
 imported; reach the module with ``from mfuwatch.kernels.rms_norm import ...``
 or ``importlib.import_module("mfuwatch.kernels.rms_norm")``.
 
@@ -48,16 +48,15 @@ _LAZY = {
     "GLUFunction": ".glu",
     "apply_rotary": ".rotary",
     "RotaryFunction": ".rotary",
-    "patch": ".patch",
-    "unpatch": ".patch",
-    "PatchReport": ".patch",
+    "patch": ".patching",
+    "unpatch": ".patching",
+    "PatchReport": ".patching",
     "minimal_bytes": ".traffic",
 }
 
 #: Module names before the stems followed the op names, kept as attributes (``from mfuwatch.kernels import
 #: rmsnorm`` still works; ``import mfuwatch.kernels.rmsnorm`` does not).
-_RENAMED = {"rmsnorm": ".rms_norm", "layernorm": ".layer_norm", "add_rmsnorm": ".add_rms_norm",
-            "patching": ".patch"}
+_RENAMED = {"rmsnorm": ".rms_norm", "layernorm": ".layer_norm", "add_rmsnorm": ".add_rms_norm"}
 
 __all__ = ["AVAILABLE_KERNELS", *_LAZY]
 

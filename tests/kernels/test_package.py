@@ -17,15 +17,15 @@ def test_import_loads_neither_torch_nor_triton():
 
 
 def test_lazy_names_resolve_to_the_functions_and_classes():
-    for stem in ("rms_norm", "layer_norm", "add_rms_norm", "patch"):  # a submodule of the same name as the
+    for stem in ("rms_norm", "layer_norm", "add_rms_norm"):  # a submodule of the same name as the
         module = importlib.import_module(f"mfuwatch.kernels.{stem}")  # function must not shadow it
         assert getattr(mk, stem) is getattr(module, stem) and callable(getattr(mk, stem)), stem
     assert mk.rms_norm.__module__ == "mfuwatch.kernels.rms_norm"
-    from mfuwatch.kernels import patch, rms_norm  # the from-import gives the functions too
-    assert patch is mk.patch and rms_norm is mk.rms_norm
+    from mfuwatch.kernels import rms_norm  # the from-import gives the function too
+    assert rms_norm is mk.rms_norm
     # the old module names still resolve, to the renamed modules
     assert mk.rmsnorm is importlib.import_module("mfuwatch.kernels.rms_norm")
-    assert mk.patching.unpatch is mk.unpatch
+    assert mk.layernorm.layer_norm is mk.layer_norm
     for name in ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "patch", "unpatch"):
         assert callable(getattr(mk, name)), name
     for name in ("RMSNorm", "LayerNorm", "SwiGLUMLP", "GeGLUMLP"):

@@ -1,12 +1,11 @@
 """patch()/unpatch() on real module trees: a tiny Hugging Face Llama built from a config (no download)."""
 
-import importlib
 import pytest
 import torch
 from torch import nn
 
 import mfuwatch.kernels as mk
-patching = importlib.import_module("mfuwatch.kernels.patch")
+from mfuwatch.kernels import patching
 from mfuwatch.kernels.glu import GeGLUMLP, SwiGLUMLP
 from mfuwatch.kernels.layer_norm import LayerNorm
 from mfuwatch.kernels.rms_norm import RMSNorm
