@@ -13,6 +13,8 @@ for spec in "$@"; do
     kernels)     cmd="python3 benchmarks/kernels.py" ;;
     kernels_q)   cmd="python3 benchmarks/kernels.py --quick" ;;
     e2e)         cmd="python3 benchmarks/kernels_e2e.py --steps 8" ;;
+    rotary)      cmd="python3 benchmarks/rotary.py" ;;
+    hf_e2e)      cmd="python3 benchmarks/hf_llama_e2e.py" ;;
     host)        cmd="python3 benchmarks/host_overhead.py" ;;
     tests)       cmd="env MFUWATCH_KERNEL_TESTS_ON_GPU=1 python3 -m pytest -q -x tests/kernels" ;;
     validate)    cmd="python3 benchmarks/agent_validation.py" ;;

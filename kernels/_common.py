@@ -20,10 +20,7 @@ What lives here, and why it is shared:
   ``kernel[grid](...)``, which compiles (or loads from its cache) and returns
   the compiled kernel; later launches call that compiled kernel's launcher
   directly, skipping the argument binding and cache-key hashing that Triton
-  redoes on every call (20-32 µs of host time per launch measured on the H200
-  machines' hosts, against 5.2-7.6 µs for the direct call with data pointers:
-  ``benchmarks/host_overhead.py``). At small shapes that host time *is* the
-  op's time.
+  redoes on every call (host time per launch: ``docs/kernels.md``).
 * **Choosing launch settings.** :func:`tuned` times a short list of candidate
   settings once per (kernel, device, shape class) on the GPU with
   :func:`gpu_ms` (GPU time of back-to-back launches) and keeps the fastest. The
@@ -250,7 +247,7 @@ def _direct_args(args: tuple) -> Tuple[tuple, list]:
             key.append(a)
             call.append(a)
         else:
-            p = a.data_ptr()  # (a memo of tensors met twice was measured slower: 3.2-4.3 against 3.1 µs per call)
+            p = a.data_ptr()
             key.append((a.dtype, p % 16 == 0, a.is_cuda))
             call.append(p)
     return tuple(key), call
@@ -454,10 +451,8 @@ def gpu_ms(fn: Callable[[], Any], target_ms: float = 2.0, rounds: int = 3) -> fl
     events. Each round starts behind a GPU wait (``torch.cuda._sleep``) longer than the host needs to
     enqueue its calls (up to 100 ms), so the events time the kernels alone, without the host's launch gaps, and
     each call finds what the previous one left in L2, as in CUDA-graph replay and in a training
-    step, where a norm's input has just been written. ``triton.testing.do_bench``, used before,
-    clears L2 and lets host time into small kernels' timings: at 4096 x 2048 it could not separate
-    settings 1 µs apart that graph replay ranks consistently (``docs/benchmarks.md``). Synchronises the
-    device; raises what ``fn`` raises.
+    step, where a norm's input has just been written (``triton.testing.do_bench`` clears L2 and
+    includes host time). Synchronises the device; raises what ``fn`` raises.
     """
     fn()
     torch.cuda.synchronize()
@@ -488,6 +483,23 @@ def tuned_settings() -> Dict[Hashable, Any]:
     return dict(_TUNED)
 
 
+#: Under ``torch.compile``, hand Inductor the ops it fuses itself (norms, GLUs, rotary) as PyTorch ops instead of
+#: the custom ops (``MFUWATCH_KERNELS_COMPILE_DECOMPOSE=0`` keeps the Triton kernels inside compiled graphs).
+COMPILE_DECOMPOSE = env_flag("MFUWATCH_KERNELS_COMPILE_DECOMPOSE", True)
+
+
+def compile_decomposes() -> bool:
+    """Whether a fused op should be written out in PyTorch ops here: while ``torch.compile`` traces (and
+    :data:`COMPILE_DECOMPOSE` is on).
+
+    A custom op is opaque to Inductor, which then cannot fuse the op with its neighbours (the cast before a
+    norm, the residual add, the projection's epilogue); the written-out form lets it, and computes as the
+    kernels do (fp32 math, one rounding per output). ``FlopCounterMode`` and tensor subclasses outside
+    ``torch.compile`` still take the custom ops (:func:`use_custom_op`).
+    """
+    return COMPILE_DECOMPOSE and torch.compiler.is_compiling()
+
+
 def use_custom_op(*tensors) -> bool:
     """Whether a call must go through the registered ``torch.ops.mfuwatch`` op.
 
@@ -513,8 +525,8 @@ def needs_grad(a: torch.Tensor, b: Optional[torch.Tensor] = None, c: Optional[to
     AD level open (``torch.autograd.forward_ad.dual_level``).
 
     When it does not (inference, ``torch.no_grad()``, evaluation, frozen inputs), the functionals call the
-    launcher directly and skip the ``autograd.Function`` (about 7 µs of host time per call on the H200
-    machines' hosts: ``benchmarks/host_overhead.py``); the outputs are the same tensors either way. Under
+    launcher directly and skip the ``autograd.Function`` and its host time; the outputs are the same tensors
+    either way. Under
     forward-mode AD they take the ``autograd.Function``, which raises PyTorch's "implement the jvp" error
     for a dual input: the direct launch would return a result without its tangent.
     """
@@ -546,7 +558,7 @@ def check_rms_inputs(x: torch.Tensor, weight: Optional[torch.Tensor]) -> None:
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},), the input's last dimension")
 
 
-#: RMSNorm casting modes (see :mod:`.rmsnorm`).
+#: RMSNorm casting modes (see :mod:`.rms_norm`).
 CASTINGS = ("auto", "llama", "fp32")
 
 

@@ -196,6 +196,13 @@ def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: 
     return dg, du
 
 
+def reference(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` in differentiable PyTorch ops, fp32 math and one rounding as the kernels (the graph
+    ``torch.compile`` is given). Raises ValueError as :func:`glu_fwd`."""
+    _check(gate, up, activation)
+    return (_torch_act(gate.float(), activation) * up.float()).to(gate.dtype)
+
+
 def _torch_act(g: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return torch.nn.functional.silu(g)

@@ -41,12 +41,7 @@ def _fwd_candidates(block_n: int):
     these settings use 30-110 registers per thread). Looped (chunk > 0, rows of
     more than 1,024 elements): :func:`._norm_triton._norm_fwd_looped` with the row
     width compiled in, one row per program walked in chunks of that many
-    elements, the later passes from L2. On the H200 the looped kernel with a
-    compile-time width matched ``torch.compile``'s two-pass kernel where the fused
-    one was 3-6% behind (rms_norm 16384 x 8192: 127.0 against 135.1 µs) and cut
-    the LayerNorm forward at 16384 x 8192 from 148 to 132 µs; with the width at
-    run time it was up to 40% slower (``benchmarks/explore_run5.py E``,
-    ``docs/gpu-runs/kernels-run5-notes.md``).
+    elements, the later passes from L2 (why both: ``docs/kernels.md``, launch settings).
     """
     base = max(1, 2048 // block_n)
     out = []
@@ -60,8 +55,7 @@ def _fwd_candidates(block_n: int):
     return out
 
 
-#: (chunk, warps) settings of the looped forward offered to the tuner for rows of more than 1,024 elements: the
-#: fastest three of nine on the H200 at 8192 and 4096 wide rows (``benchmarks/explore_run5.py E``).
+#: (chunk, warps) settings of the looped forward offered to the tuner for rows of more than 1,024 elements.
 _LOOP_FWD = ((2048, 8), (4096, 8), (4096, 16))
 
 
@@ -72,14 +66,9 @@ def _bwd_candidates(block_n: int):
     xhat and the dw/db accumulators in registers, and 16 elements per thread
     already take 150-250 registers on sm_90 (one resident program per SM). Two
     rows per step double the loads each program has in flight, for more
-    registers. Two extra settings come from a sweep on the H200
-    (``benchmarks/explore_run5.py``, ``docs/gpu-runs/kernels-run5-notes.md``): at
-    N = 4096, two rows per step on 16 warps with the registers capped at 64
-    (``maxnreg``, so that two programs share an SM) was 10-12% faster than the
-    best uncapped setting for rms_norm and add_rms_norm; at N = 8192, two rows
-    per step on 16 warps (16 elements of a row per thread) was 1-4% faster than
-    on 32 warps. LayerNorm, with its second accumulator, was slower under both:
-    the tuner measures and keeps the fastest.
+    registers. Two extra settings: at N = 4096, two rows per step on 16 warps with
+    the registers capped at 64 (``maxnreg``, two programs per SM); at N = 8192, two
+    rows per step on 16 warps. The tuner measures and keeps the fastest.
     """
     default_w = max(1, min(32, block_n // 256))
     ws = [default_w] + [w for w in (4, 8, 16, 32) if w != default_w and 2 <= block_n // (32 * w) <= 8]
@@ -262,8 +251,7 @@ def _bwd_launch(dy2, x2, w, mean, rstd, dres2, dx2, sdy, sx, sdr, n, rows, has_w
 
 #: Tiles of :func:`._norm_triton._sum_partials` as {columns: constexprs}: partial rows x columns summed per
 #: step by 4 warps, 16 elements per thread. One program per block of columns (per set), so narrow rows need
-#: narrow blocks to give about every SM a program: at N = 2048 the 64-column tile made 32 programs, which took
-#: 12 µs on the H200 for what is a 2 MB read.
+#: narrow blocks to give about every SM a program.
 _SUM_CONSTS = {16: {"BLOCK_P": 128, "BLOCK_N": 16}, 32: {"BLOCK_P": 64, "BLOCK_N": 32},
                64: {"BLOCK_P": 32, "BLOCK_N": 64}}
 
@@ -293,7 +281,7 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
             dtype, or ``xs``'s without a weight.
         dx_copy: None, or a new contiguous tensor shaped like ``xs`` in its dtype
             that the kernel also writes ``dxs`` into: a second gradient tensor for one
-            more write, where a copy would read and write (see :mod:`.add_rmsnorm`).
+            more write, where a copy would read and write (see :mod:`.add_rms_norm`).
     Returns:
         ``(dxs, dw, db)``: ``dxs`` shaped like ``xs`` in its dtype; ``dw`` shaped
         like the weight, in its dtype; ``db`` as ``(N,)`` in ``b_dtype`` (None
@@ -362,6 +350,30 @@ def norm_bwd(dy: torch.Tensor, xs: torch.Tensor, weight: Optional[torch.Tensor],
 # --------------------------------------------------------------------------------------------
 # PyTorch fallback for CPU tensors when Triton cannot run (no GPU, interpreter off): same math.
 # --------------------------------------------------------------------------------------------
+
+def norm_reference(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   residual: Optional[torch.Tensor], n: int, eps: float, offset: float, is_rms: bool,
+                   llama_cast: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(y, s)`` of :func:`norm_fwd` in differentiable PyTorch ops (the graph ``torch.compile`` is given).
+
+    Same roundings as the kernels: the sum ``s`` rounded to its dtype, statistics in fp32, under Llama
+    casting ``xhat`` rounded to ``s``'s dtype before the weight, one rounding of ``y``. ``n`` elements per row.
+    """
+    s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y_dtype = torch.promote_types(s_dtype, weight.dtype) if (llama_cast and weight is not None) else s_dtype
+    s = None if residual is None else (x.float() + residual.float()).to(s_dtype)
+    xs = x if s is None else s
+    xf = xs.float().reshape(-1, n)
+    xc = xf if is_rms else xf - xf.mean(-1, keepdim=True)
+    out = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        if llama_cast:
+            out = out.to(s_dtype).float()
+        out = out * (weight.reshape(n).float() + offset)
+    if bias is not None:
+        out = out + bias.reshape(n).float()
+    return out.to(y_dtype).reshape(x.shape), s
+
 
 def _torch_fwd(x2, residual, weight, bias, n, eps, offset, is_rms, llama_cast, y, s, mean, rstd):
     xs = x2

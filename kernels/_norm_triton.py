@@ -35,9 +35,7 @@ Layout of the work:
   as a row of a ``(programs, N)`` buffer; :func:`_sum_partials` then sums
   that buffer over programs in fp32, in a fixed order (deterministic), and
   writes ``dw``/``db`` in the parameters' dtype. The backward's loop takes
-  ``ROWS`` rows per step, so that each program has more loads in flight
-  (software pipelining with ``tl.range(num_stages=2)`` was measured slower on
-  the H200: ``benchmarks/host_overhead.py``);
+  ``ROWS`` rows per step, so that each program has more loads in flight;
 * *looped* kernels handle rows wider than the register budget
   (``_norm_launch.FWD_MAX_FUSED``/``BWD_MAX_FUSED``) by walking the row in ``LOOP_BLOCK``
   chunks: two or three passes, the extra passes served mostly from L2 (the

@@ -7,7 +7,7 @@
 
 Kernels and the math are in :mod:`._glu_triton`; dispatch (eager fast path vs.
 the ``torch.ops.mfuwatch.swiglu``/``geglu`` custom ops under ``torch.compile``
-and dispatch modes) as in :mod:`.rmsnorm`.
+and dispatch modes) as in :mod:`.rms_norm`.
 """
 
 from typing import Tuple
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _glu_triton as K
-from ._common import first_order_only, needs_grad, use_custom_op
+from ._common import compile_decomposes, first_order_only, needs_grad, use_custom_op
 
 _APPROX = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -135,6 +135,8 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     Raises:
         ValueError: shapes, dtypes or devices differ (both values printed).
     """
+    if compile_decomposes():  # Inductor fuses the written-out activation with its neighbours
+        return K.reference(gate, up, "silu")
     if use_custom_op(gate, up):
         return torch.ops.mfuwatch.swiglu(gate, up)
     if not needs_grad(gate, up):
@@ -149,6 +151,8 @@ def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
     ``approximate`` other than ``"none"`` or ``"tanh"``.
     """
     kind = _gelu_kind(approximate)
+    if compile_decomposes():  # Inductor fuses the written-out activation with its neighbours
+        return K.reference(gate, up, kind)
     if use_custom_op(gate, up):
         return torch.ops.mfuwatch.geglu(gate, up, approximate)
     if not needs_grad(gate, up):

@@ -15,7 +15,14 @@ kernel                 modules                                                re
 ``geglu``              the same with a GELU ``act_fn`` (exact or tanh)          GeGLUMLP
 ``add_rms_norm``       none: the residual add lives in a decoder layer's       --
                        ``forward``; call the functional from model code
+``rotary``             Hugging Face attention modules whose ``forward``         the module's
+                       calls ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2/3, ``forward``
+                       Gemma 2/3, Phi-3, ...)                                   (instance)
 =====================  =====================================================  ==========
+
+For ``rotary`` the attention module stays; this instance gets a ``forward`` that calls
+:func:`~mfuwatch.kernels.apply_rotary` (see :mod:`._hf_rotary`), checked against the
+model's own ``apply_rotary_pos_emb`` on a probe input when ``verify=True``.
 
 The replacement *shares* the original's parameters (the same ``Parameter``
 objects, so an optimizer built before patching keeps working) and keeps its
@@ -39,12 +46,13 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import _hf_rotary
 from ._common import INTERPRET
 from .glu import GeGLUMLP, SwiGLUMLP
-from .layernorm import LayerNorm
-from .rmsnorm import RMSNorm
+from .layer_norm import LayerNorm
+from .rms_norm import RMSNorm
 
-KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary")
 _ORIGINAL = "_mfuwatch_original"
 _OURS = (RMSNorm, LayerNorm, SwiGLUMLP, GeGLUMLP)
 _ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
@@ -339,7 +347,32 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
         object.__setattr__(new, _ORIGINAL, m)
         setattr(parent, child, new)
         report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), kernel))
+    _patch_rotary(model, "rotary" in wanted, verify, wanted, report)
     return report
+
+
+def _patch_rotary(model: nn.Module, requested: bool, verify: bool, wanted, report: PatchReport) -> None:
+    """Wire the fused rotary into the Hugging Face attention modules of ``model`` (see :mod:`._hf_rotary`)."""
+    for name, m in _hf_rotary.candidates(model):
+        if not requested:
+            report.left.append(Left(name, _cls(m), "rotary", f"not requested (kernels={list(wanted)})"))
+            continue
+        reason = _hf_rotary.wire(name, m, verify, lambda dt: _TOL.get(dt, 3e-2), _device_reason)
+        if reason is None:
+            report.swapped.append(Swapped(name, f"{_cls(m)}.forward: {_hf_rotary.GLOBAL}",
+                                          "mfuwatch.kernels.apply_rotary", "rotary"))
+        else:
+            report.left.append(Left(name, _cls(m), "rotary", reason))
+
+
+def _device_reason(p: torch.Tensor) -> Optional[str]:
+    """Why the Triton kernels cannot take a module whose first parameter is ``p``, or None."""
+    if not (p.is_cuda or p.device.type == "meta" or (INTERPRET and p.device.type == "cpu")):
+        return (f"on {p.device}: the Triton kernels need a CUDA device "
+                "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
+    if not p.is_floating_point() or p.dtype == torch.float64:
+        return f"dtype {p.dtype} is not fp32/fp16/bf16"
+    return None
 
 
 def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
@@ -354,21 +387,17 @@ def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
                         "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
             return _hooked(m)
         return "it has no parameters to infer device and dtype from"
-    if not (p.is_cuda or p.device.type == "meta" or (INTERPRET and p.device.type == "cpu")):
-        return (f"on {p.device}: the Triton kernels need a CUDA device "
-                "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
-    if not p.is_floating_point() or p.dtype == torch.float64:
-        return f"dtype {p.dtype} is not fp32/fp16/bf16"
-    return _hooked(m)
+    return _device_reason(p) or _hooked(m)
 
 
 def unpatch(model: nn.Module) -> int:
     """Put back every module :func:`patch` replaced in ``model``; return how many.
 
     The originals get the replacement's current parameters (the same objects,
-    so training since the patch is kept) and training mode.
+    so training since the patch is kept) and training mode; attention modules wired
+    to the fused rotary get their class's ``forward`` back (each counts as one).
     """
-    restored = 0
+    restored = _hf_rotary.unwire(model)
     for name, m in list(model.named_modules()):
         orig = m.__dict__.get(_ORIGINAL)
         if orig is None or not name:

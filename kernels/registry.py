@@ -13,8 +13,8 @@ Each :class:`Remedy` is either
 * ``kind="bundled"``: a Triton drop-in in :mod:`mfuwatch.kernels`, applied with
   ``mfuwatch.kernels.patch(model, kernels=[...])``. Only names in :data:`BUNDLED_KERNELS`
   (= ``mfuwatch.kernels.AVAILABLE_KERNELS``) may be bundled (a bundled entry naming anything
-  else raises at import); remedies for ops without a bundled kernel yet (cross-entropy,
-  rotary embedding) point to an existing fix and say so in their title.
+  else raises at import); remedies for ops without a bundled kernel yet (cross-entropy) point to an
+  existing fix and say so in their title.
 
 How an entry finds its ops (first that applies):
 
@@ -179,12 +179,14 @@ REGISTRY: Tuple[Remedy, ...] = (
              "Fused: read logits (forward), read logits + write dlogits (backward)",
     ),
     Remedy(
-        kernel="rotary", kind="existing",
-        title="Fuse the rotary embedding (rotate_half: mul, neg, cat, mul, add) with torch.compile (no bundled kernel yet)",
-        apply="apply_rotary_pos_emb = torch.compile(apply_rotary_pos_emb)",
-        replaces="x * cos + cat(-x2, x1) * sin",
+        kernel="rotary", kind="bundled",
+        title="Fused rotary embedding (Triton drop-in) instead of rotate_half written out as mul, neg, cat, mul, add",
+        apply=_patch("rotary"),
+        replaces="x * cos + cat(-x2, x1) * sin (Hugging Face apply_rotary_pos_emb, once for q and once for k)",
         sequence=(Step(_ops("mul")), Step(_ops("neg")), Step(_ops("cat")), Step(_ops("mul")), Step(_ops("add"))),
-        anchor_arg=0, passes_forward=2.0, passes_backward=2.0,
+        anchor_arg=0,
+        note="anchor = q or k (B, H, T, D); bytes from mfuwatch.kernels.traffic: forward reads x and writes "
+             "x_embed, backward reads the gradient and writes dx (cos/sin, shared by all heads, left out)",
     ),
     Remedy(
         kernel="rms_norm", kind="bundled",

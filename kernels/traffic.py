@@ -19,16 +19,19 @@ add_rms_norm    read x, residual, w; write y,    read s, dy, d(new residual), w;
 swiglu, geglu   read gate, up; write y:          read gate, up, dy; write dgate, dup:
                 ``3*E*b`` (hidden = the          ``5*E*b``
                 intermediate size)
+rotary          read x; write x_embed: ``2*E*b``  read dy; write dx: ``2*E*b``
+                (one of q, k: rows = B*H*T,       (cos/sin: ``2*B*T*R`` elements per
+                hidden = D)                       call, shared by all heads, left out)
 ==============  ===============================  =====================================
 """
 
 from __future__ import annotations
 
-KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
-
 # (activation multiple of E*b, weight-vector multiple of H*wb) per kernel, forward and backward
-_FWD = {"rms_norm": (2, 1), "layer_norm": (2, 2), "add_rms_norm": (4, 1), "swiglu": (3, 0), "geglu": (3, 0)}
-_BWD = {"rms_norm": (3, 2), "layer_norm": (3, 4), "add_rms_norm": (4, 2), "swiglu": (5, 0), "geglu": (5, 0)}
+_FWD = {"rms_norm": (2, 1), "layer_norm": (2, 2), "add_rms_norm": (4, 1), "swiglu": (3, 0), "geglu": (3, 0),
+        "rotary": (2, 0)}
+_BWD = {"rms_norm": (3, 2), "layer_norm": (3, 4), "add_rms_norm": (4, 2), "swiglu": (5, 0), "geglu": (5, 0),
+        "rotary": (2, 0)}
 
 
 def minimal_bytes(kernel: str, rows: int, hidden: int, dtype_bytes: int = 2, *, backward: bool = False,
@@ -36,7 +39,7 @@ def minimal_bytes(kernel: str, rows: int, hidden: int, dtype_bytes: int = 2, *, 
     """Bytes the fused ``kernel`` must move for a ``rows x hidden`` input.
 
     Args:
-        kernel: one of :data:`KERNELS`.
+        kernel: a name in ``mfuwatch.kernels.AVAILABLE_KERNELS``.
         rows: rows (tokens) of the input; hidden: its last dimension (for the
             GLUs, the intermediate size, i.e. ``gate.shape[-1]``).
         dtype_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
@@ -47,7 +50,7 @@ def minimal_bytes(kernel: str, rows: int, hidden: int, dtype_bytes: int = 2, *, 
     """
     table = _BWD if backward else _FWD
     if kernel not in table:
-        raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(KERNELS)}")
+        raise ValueError(f"unknown kernel {kernel!r}; accepted: {', '.join(_FWD)}")
     if rows < 0 or hidden < 0 or dtype_bytes <= 0:
         raise ValueError(f"rows={rows}, hidden={hidden}, dtype_bytes={dtype_bytes}: sizes must be >= 0")
     act, wvec = table[kernel]

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import mfuwatch.kernels as mk
-from mfuwatch.kernels import _flops
+from mfuwatch.kernels import _common, _flops
 from tests.helpers.kernel_checks import DEVICE
 
 # Import the ops before any FlopCounterMode is built: the mode copies the formula registry
@@ -47,7 +47,8 @@ def test_fullgraph_compile_matches_eager(backend, gen):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_graph_holds_the_custom_ops(gen):
+def test_compiled_graph_holds_the_custom_ops_when_decomposition_is_off(gen, monkeypatch):
+    monkeypatch.setattr(_common, "COMPILE_DECOMPOSE", False)  # MFUWATCH_KERNELS_COMPILE_DECOMPOSE=0
     seen = []
 
     def backend(gm, example_inputs):
@@ -59,6 +60,66 @@ def test_compiled_graph_holds_the_custom_ops(gen):
     for op in ("mfuwatch.rms_norm", "mfuwatch.add_rms_norm", "mfuwatch.layer_norm", "mfuwatch.swiglu",
                "mfuwatch.geglu"):
         assert any(op in s for s in seen), f"{op} not in the compiled graph: {seen}"
+
+
+def graph_recorder(seen):
+    """An aot_eager-like backend that records the call targets of the forward and backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=record, bw_compiler=record)
+
+
+def rotary_too(x, res, w, b, gate, up):
+    q = x.view(1, 3, 2, 8).transpose(1, 2)  # (B, H, T, D) from a (B, T, H, D) projection
+    cos, sin = res.detach()[None, :, :8].cos(), res.detach()[None, :, :8].sin()
+    qe, ke = mk.apply_rotary(q, q[:, :1], cos, sin)
+    return all_ops(x, res, w, b, gate, up) + (qe * qe).sum() + ke.sum()
+
+
+def test_compiled_graph_gets_the_plain_decomposition(gen):
+    # Inductor fuses norms, GLUs and rotary itself: under torch.compile they reach it as PyTorch ops (no
+    # custom op in the forward or backward graph), computing what the kernels compute
+    leaves = inputs(gen)
+    seen = []
+    torch._dynamo.reset()
+    compiled = torch.compile(rotary_too, backend=graph_recorder(seen), fullgraph=True)
+    out_c, grads_c = grads_of(compiled, leaves)
+    out_e, grads_e = grads_of(rotary_too, leaves)  # eager: the Triton kernels (interpreter)
+    assert seen and not any("mfuwatch" in s for s in seen), [s for s in seen if "mfuwatch" in s]
+    assert torch.allclose(out_c, out_e, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_patched_llama_has_no_custom_op_and_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=48, vocab_size=64,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(DEVICE)
+    report = mk.patch(model)
+    assert {s.kernel for s in report.swapped} == {"rms_norm", "swiglu", "rotary"}, str(report)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    seen = []
+    torch._dynamo.reset()
+    loss_c, grads_c = step(torch.compile(model, backend=graph_recorder(seen)))
+    loss_e, grads_e = step(model)
+    assert seen and not any("mfuwatch" in s for s in seen), [s for s in seen if "mfuwatch" in s]
+    assert torch.allclose(loss_c, loss_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_c, grads_e):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_flop_counter_counts_each_op_by_hand():

@@ -55,6 +55,13 @@ SCRIPT = textwrap.dedent(
         for tile in L._SUM_CONSTS.values():  # every tile the launcher uses (three)
             comp(K._sum_partials, dict(P="*fp32", OUT0="*" + dt, OUT1="*" + dt, n_parts="i32", N="i32",
                                        n_col_blocks="i32"), tile, 4)
+    from mfuwatch.kernels import _rotary_triton as RT
+    names = list(RT._rotary_kernel.arg_names)
+    for dt, (interleaved, backward, has_pass) in [("bf16", (False, False, False)), ("bf16", (False, True, True)),
+                                                  ("fp32", (True, False, False))]:
+        sig = {a: ("*" + dt if i < 6 else "i32") for i, a in enumerate(names[:-8])}
+        comp(RT._rotary_kernel, sig, dict(INTERLEAVED=interleaved, BACKWARD=backward, HAS_PASS=has_pass, BLOCK_T=1,
+                                          BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_P=32 if has_pass else 1), 4)
     print("compiled", n)
     """
 )
@@ -69,4 +76,4 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
-    assert proc.stdout.strip().endswith("compiled 45"), proc.stdout
+    assert proc.stdout.strip().endswith("compiled 48"), proc.stdout

@@ -7,8 +7,8 @@ from torch import nn
 import mfuwatch.kernels as mk
 from mfuwatch.kernels import patching
 from mfuwatch.kernels.glu import GeGLUMLP, SwiGLUMLP
-from mfuwatch.kernels.layernorm import LayerNorm
-from mfuwatch.kernels.rmsnorm import RMSNorm
+from mfuwatch.kernels.layer_norm import LayerNorm
+from mfuwatch.kernels.rms_norm import RMSNorm
 from tests.helpers.kernel_checks import DEVICE
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +43,10 @@ def test_patch_llama_keeps_loss_and_gradients_then_unpatch_restores():
     loss0, grads0 = loss_and_grads(model, ids)
 
     report = mk.patch(model, kernels=["rms_norm", "swiglu"])
-    assert report.count("rms_norm") == 5 and report.count("swiglu") == 2 and report.left == []
+    assert report.count("rms_norm") == 5 and report.count("swiglu") == 2
+    # left: only the two attention modules, whose rotary was not asked for
+    assert [(s.name, s.kernel) for s in report.left] == [(f"model.layers.{i}.self_attn", "rotary") for i in (0, 1)]
+    assert all(s.reason.startswith("not requested") for s in report.left)
     assert isinstance(model.model.layers[0].input_layernorm, RMSNorm)
     assert isinstance(model.model.layers[1].mlp, SwiGLUMLP)
     assert model.model.norm.casting == "llama" and model.model.norm.offset == 0.0

@@ -47,7 +47,7 @@ def test_bundled_entries_are_exactly_kernels_that_exist():
 
 
 def test_ops_without_a_bundled_kernel_point_to_an_existing_fix():
-    for k in ("cross_entropy", "rotary"):
+    for k in ("cross_entropy",):
         r = by_kernel(k)
         assert r.kind == "existing" and not r.bundled
         assert "torch.compile" in r.apply and "no bundled kernel yet" in r.title
@@ -84,3 +84,15 @@ def test_existing_fix_minimal_bytes_are_passes_over_the_anchor():
     assert r.minimal_bytes(1000, 10, 2, backward=True) == 12 * 1000 * 2
     assert r.minimal_bytes(1000, 10, 2, backward=False) == 4 * 1000 * 2
     assert by_kernel("fused_adamw").minimal_bytes(100, 1, 4, backward=False) == 7 * 100 * 4
+
+
+def test_rotate_half_pattern_names_the_bundled_rotary_with_its_bytes():
+    r = by_kernel("rotary")
+    assert r.bundled and r.apply == 'mfuwatch.kernels.patch(model, kernels=["rotary"])'
+    assert [s.ops for s in r.sequence] == [("aten::mul",), ("aten::neg",), ("aten::cat",), ("aten::mul",),
+                                            ("aten::add",)]
+    # q of a Llama-3-8B layer at 16384 tokens, bf16: (1, 32, 16384, 128); read once and written once forward,
+    # the gradient read once and dq written once backward
+    e = 32 * 16384 * 128
+    assert r.minimal_bytes(e, 128, 2, backward=False) == 2 * e * 2
+    assert r.minimal_bytes(e, 128, 2, backward=True) == 4 * e * 2

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mfuwatch.kernels.traffic import KERNELS, minimal_bytes
+import mfuwatch.kernels as mk
+from mfuwatch.kernels.traffic import minimal_bytes
 
 
 def test_rms_norm_llama_shape_by_hand():
@@ -23,8 +24,15 @@ def test_other_kernels_by_hand():
     assert minimal_bytes("geglu", 8192, 11008, backward=True) == 5 * 180_355_072
 
 
+def test_rotary_by_hand():
+    # k of Llama-3-8B at 16384 tokens: 8 heads x 128 dims, bf16 = 33,554,432 bytes; read and written each way
+    assert minimal_bytes("rotary", 16384 * 8, 128) == 2 * 33_554_432
+    assert minimal_bytes("rotary", 16384 * 8, 128, backward=True) == 2 * 33_554_432
+
+
 def test_errors_and_names():
-    assert KERNELS == ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+    for kernel in mk.AVAILABLE_KERNELS:  # one kernel list (the package's): each has its byte count
+        assert minimal_bytes(kernel, 2, 4) > 0, kernel
     with pytest.raises(ValueError, match="unknown kernel 'softmax'"):
         minimal_bytes("softmax", 1, 1)
     with pytest.raises(ValueError, match="sizes must be >= 0"):

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import empty_width_norm, first_order_only, needs_grad, use_custom_op
+from ._common import compile_decomposes, empty_width_norm, first_order_only, needs_grad, use_custom_op
 
 
 def _numel(x: Tensor, n_dims: int) -> int:
@@ -138,6 +138,8 @@ def layer_norm(x: Tensor, normalized_shape: Union[int, Sequence[int]], weight: O
             raise ValueError(f"{name} shape {tuple(p.shape)} != normalized_shape {tuple(normalized_shape)}")
     if _numel(x, n_dims) == 0:  # nothing to normalise (F.layer_norm would refuse dtype mixes we accept)
         return empty_width_norm(x, weight, 0.0, False, bias)
+    if compile_decomposes():  # Inductor fuses the written-out norm with its neighbours
+        return K.norm_reference(x, weight, bias, None, _numel(x, n_dims), float(eps), 0.0, False, False)[0]
     if use_custom_op(x, weight, bias):
         return torch.ops.mfuwatch.layer_norm(x, weight, bias, n_dims, float(eps))[0]
     if not needs_grad(x, weight, bias):

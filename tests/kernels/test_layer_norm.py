@@ -1,13 +1,16 @@
 """LayerNorm kernels against a float64 reference (forward and every gradient), on fresh random inputs."""
 
+import importlib
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mfuwatch.kernels import _norm_launch, layernorm
-from mfuwatch.kernels.layernorm import LayerNorm, layer_norm
+from mfuwatch.kernels import _norm_launch
+from mfuwatch.kernels.layer_norm import LayerNorm, layer_norm
 from tests.helpers.kernel_checks import DEVICE, assert_close
+
+layer_norm_mod = importlib.import_module("mfuwatch.kernels.layer_norm")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -99,7 +102,7 @@ def test_custom_op_path_equals_fast_path(monkeypatch, gen):
     dy = torch.randn(3, 40, generator=gen, dtype=torch.bfloat16).to(DEVICE)
     results = []
     for forced in (False, True):
-        monkeypatch.setattr(layernorm, "use_custom_op", lambda *t, f=forced: f)
+        monkeypatch.setattr(layer_norm_mod, "use_custom_op", lambda *t, f=forced: f)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         y = layer_norm(leaves[0], (40,), leaves[1], leaves[2])
         y.backward(dy)
@@ -139,7 +142,7 @@ def test_bias_gradient_is_written_in_the_bias_dtype(path, w_dtype, monkeypatch, 
     """An fp32 bias next to a bf16 weight (or no weight, bf16 input): db is the fp32 column sum of dy, rounded
     once to fp32, not rounded to bf16 on the way (which gave 3-4e-3 relative error)."""
     if path == "custom_op":
-        monkeypatch.setattr(layernorm, "use_custom_op", lambda *t: True)
+        monkeypatch.setattr(layer_norm_mod, "use_custom_op", lambda *t: True)
     elif path == "torch_fallback":
         monkeypatch.setattr(_norm_launch, "use_triton", lambda t: False)
     n = 48
@@ -147,7 +150,7 @@ def test_bias_gradient_is_written_in_the_bias_dtype(path, w_dtype, monkeypatch, 
     w = torch.ones(n, dtype=w_dtype).to(DEVICE).requires_grad_() if w_dtype is not None else None
     b = torch.zeros(n).to(DEVICE).requires_grad_()
     dy = torch.randn(300, n, generator=gen).to(DEVICE, torch.bfloat16)
-    layernorm.layer_norm(x, (n,), w, b).backward(dy)
+    layer_norm_mod.layer_norm(x, (n,), w, b).backward(dy)
     ref = dy.double().sum(0)
     assert b.grad.dtype == torch.float32
     assert float((b.grad.double() - ref).abs().max() / ref.abs().max()) < 1e-5

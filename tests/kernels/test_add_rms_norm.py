@@ -1,13 +1,16 @@
 """Fused residual add + RMSNorm against a float64 reference, both outputs and every gradient."""
 
+import importlib
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mfuwatch.kernels import _norm_launch, add_rmsnorm
-from mfuwatch.kernels.add_rmsnorm import add_rms_norm
-from mfuwatch.kernels.rmsnorm import RMSNorm
+from mfuwatch.kernels import _norm_launch
+from mfuwatch.kernels.add_rms_norm import add_rms_norm
+from mfuwatch.kernels.rms_norm import RMSNorm
 from tests.helpers.kernel_checks import DEVICE, assert_close
+
+add_rms_norm_mod = importlib.import_module("mfuwatch.kernels.add_rms_norm")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -77,7 +80,7 @@ def test_custom_op_path_equals_fast_path(monkeypatch, gen):
     dy, dh = (torch.randn(3, 40, generator=gen, dtype=torch.bfloat16).to(DEVICE) for _ in range(2))
     results = []
     for forced in (False, True):
-        monkeypatch.setattr(add_rmsnorm, "use_custom_op", lambda *t, f=forced: f)
+        monkeypatch.setattr(add_rms_norm_mod, "use_custom_op", lambda *t, f=forced: f)
         x, r = ins[0].clone().requires_grad_(), ins[1].clone().requires_grad_()
         w = ins[2][0].clone().requires_grad_()
         y, h = add_rms_norm(x, r, w)
@@ -124,7 +127,7 @@ def _backward_copies(monkeypatch, fused, leaf_x, leaf_r, dtypes=(torch.bfloat16,
         finally:
             mode.in_kernel = False
 
-    monkeypatch.setattr(add_rmsnorm.K, "norm_bwd", traced)
+    monkeypatch.setattr(add_rms_norm_mod.K, "norm_bwd", traced)
     gen = torch.Generator().manual_seed(3)
     x0 = torch.randn(6, 40, generator=gen).to(dtypes[0]).to(DEVICE).requires_grad_()
     r0 = torch.randn(6, 40, generator=gen).to(dtypes[1]).to(DEVICE).requires_grad_()
@@ -219,7 +222,7 @@ def test_views_of_leaves_get_their_own_gradients(gen):
 @pytest.mark.parametrize("custom_op", [False, True], ids=["function", "custom_op"])
 def test_only_the_weight_trains(monkeypatch, custom_op, gen):
     # x + residual depends on no trainable tensor: like plain PyTorch, it carries no autograd history
-    monkeypatch.setattr(add_rmsnorm, "use_custom_op", lambda *t: custom_op)
+    monkeypatch.setattr(add_rms_norm_mod, "use_custom_op", lambda *t: custom_op)
     x, r = (torch.randn(5, 24, generator=gen).to(DEVICE) for _ in range(2))
     w = (1.0 + 0.1 * torch.randn(24, generator=gen)).to(DEVICE).requires_grad_()
     y, h = add_rms_norm(x, r, w)

@@ -32,8 +32,9 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import check_rms_inputs, empty_width_norm, first_order_only, needs_grad, resolve_casting, use_custom_op
-from .add_rmsnorm import add_rms_norm_trailing
+from ._common import (check_rms_inputs, compile_decomposes, empty_width_norm, first_order_only, needs_grad,
+                      resolve_casting, use_custom_op)
+from .add_rms_norm import add_rms_norm_trailing
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)
 
@@ -142,6 +143,8 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: Optional[float] = 
         eps = torch.finfo(x.dtype).eps
     if x.shape[-1] == 0:  # nothing to normalise: an empty result, as torch.nn.functional.rms_norm returns
         return empty_width_norm(x, weight, offset, llama)
+    if compile_decomposes():  # Inductor fuses the written-out norm with its neighbours
+        return K.norm_reference(x, weight, None, None, x.shape[-1], float(eps), float(offset), True, llama)[0]
     if use_custom_op(x, weight):
         return torch.ops.mfuwatch.rms_norm(x, weight, float(eps), float(offset), llama)[0]
     if not needs_grad(x, weight):

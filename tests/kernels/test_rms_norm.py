@@ -1,12 +1,15 @@
 """RMSNorm kernels against a float64 reference (forward and every gradient), on fresh random inputs."""
 
+import importlib
 import pytest
 import torch
 from torch import nn
 
 from tests.helpers.kernel_checks import DEVICE, assert_close
-from mfuwatch.kernels import _common, _norm_launch, rmsnorm
-from mfuwatch.kernels.rmsnorm import RMSNorm, rms_norm
+from mfuwatch.kernels import _common, _norm_launch
+from mfuwatch.kernels.rms_norm import RMSNorm, rms_norm
+
+rms_norm_mod = importlib.import_module("mfuwatch.kernels.rms_norm")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -132,7 +135,7 @@ def test_custom_op_path_equals_fast_path(monkeypatch, gen):
     dy = torch.randn(3, 40, generator=gen, dtype=torch.bfloat16).to(DEVICE)
     results = []
     for forced in (False, True):
-        monkeypatch.setattr(rmsnorm, "use_custom_op", lambda *t, f=forced: f)
+        monkeypatch.setattr(rms_norm_mod, "use_custom_op", lambda *t, f=forced: f)
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = rms_norm(xg, wg)
         y.backward(dy)
@@ -190,7 +193,7 @@ def test_errors_name_both_sizes():
 
 def test_module_default_casting_follows_the_offset(gen):
     """RMSNorm() computes as Hugging Face Llama (offset 0) and as Gemma (offset 1), like rms_norm's "auto"."""
-    from mfuwatch.kernels.rmsnorm import RMSNorm as FusedRMSNorm
+    from mfuwatch.kernels.rms_norm import RMSNorm as FusedRMSNorm
 
     x = (torch.randn(4, 24, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
     for offset, mode in ((0.0, "llama"), (1.0, "fp32")):
