@@ -15,6 +15,10 @@ for spec in "$@"; do
     e2e)         cmd="python3 benchmarks/kernels_e2e.py --steps 8" ;;
     rotary)      cmd="python3 benchmarks/rotary.py" ;;
     hf_e2e)      cmd="python3 benchmarks/hf_llama_e2e.py" ;;
+    ce)          cmd="python3 benchmarks/cross_entropy.py" ;;
+    flops)       cmd="python3 benchmarks/flops_validation.py" ;;
+    fleet)       cmd="python3 benchmarks/fleet_overhead.py" ;;
+    tests_new)   cmd="env MFUWATCH_KERNEL_TESTS_ON_GPU=1 python3 -m pytest -q -x tests/kernels/test_rotary.py tests/kernels/test_patch_rotary.py" ;;
     host)        cmd="python3 benchmarks/host_overhead.py" ;;
     tests)       cmd="env MFUWATCH_KERNEL_TESTS_ON_GPU=1 python3 -m pytest -q -x tests/kernels" ;;
     validate)    cmd="python3 benchmarks/agent_validation.py" ;;
