@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 
 #: Kernel names accepted by :func:`patch` (and used by the suggestions registry).
-AVAILABLE_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+AVAILABLE_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "cross_entropy")
 
 _LAZY = {
     "rms_norm": ".rmsnorm",
@@ -36,6 +36,10 @@ _LAZY = {
     "SwiGLUMLP": ".glu",
     "GeGLUMLP": ".glu",
     "GLUFunction": ".glu",
+    "cross_entropy": ".cross_entropy",
+    "CrossEntropyLoss": ".cross_entropy",
+    "linear_cross_entropy": ".linear_cross_entropy",
+    "LinearCrossEntropyLoss": ".linear_cross_entropy",
     "patch": ".patching",
     "unpatch": ".patching",
     "PatchReport": ".patching",

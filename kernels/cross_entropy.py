@@ -30,6 +30,8 @@ The gradient is never written into a tensor autograd can see: the logits may fee
 from __future__ import annotations
 
 import math
+import sys
+import types
 from typing import Optional, Tuple
 
 import torch
@@ -286,3 +288,19 @@ class CrossEntropyLoss(nn.Module):
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
+
+
+class _CallableModule(types.ModuleType):
+    """This module's type: calling the module calls :func:`cross_entropy`.
+
+    The file stem equals the function's name, and Python's import system sets the package attribute
+    ``mfuwatch.kernels.cross_entropy`` to the *module* whenever the module is first imported directly
+    (``import mfuwatch.kernels.cross_entropy``, or by a sibling module); with this class
+    ``mfuwatch.kernels.cross_entropy(logits, target)`` computes the loss either way.
+    """
+
+    def __call__(self, *args, **kwargs):
+        return cross_entropy(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -29,6 +29,8 @@ Inductor cannot avoid materialising the logits.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import List, Optional, Tuple
 
 import torch
@@ -351,3 +353,14 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return linear_cross_entropy(hidden, weight, target, bias, **self.opts)
+
+
+class _CallableModule(types.ModuleType):
+    """This module's type: calling it calls :func:`linear_cross_entropy` (the package attribute of that name
+    is this module when it was first imported directly; see :mod:`.cross_entropy`)."""
+
+    def __call__(self, *args, **kwargs):
+        return linear_cross_entropy(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

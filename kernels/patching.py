@@ -15,6 +15,9 @@ kernel                 modules                                                re
 ``geglu``              the same with a GELU ``act_fn`` (exact or tanh)          GeGLUMLP
 ``add_rms_norm``       none: the residual add lives in a decoder layer's       --
                        ``forward``; call the functional from model code
+``cross_entropy``      a Hugging Face ``*ForCausalLM``'s ``lm_head`` + loss     linear_cross_entropy
+                       (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3; see
+                       :mod:`._hf_lm_head`)
 =====================  =====================================================  ==========
 
 The replacement *shares* the original's parameters (the same ``Parameter``
@@ -44,7 +47,7 @@ from .glu import GeGLUMLP, SwiGLUMLP
 from .layernorm import LayerNorm
 from .rmsnorm import RMSNorm
 
-KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "cross_entropy")
 _ORIGINAL = "_mfuwatch_original"
 _OURS = (RMSNorm, LayerNorm, SwiGLUMLP, GeGLUMLP)
 _ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
@@ -339,6 +342,11 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
         object.__setattr__(new, _ORIGINAL, m)
         setattr(parent, child, new)
         report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), kernel))
+    # ---- cross_entropy: the LM head + loss of Hugging Face causal LMs (kern-ce; the wiring is in _hf_lm_head)
+    if "cross_entropy" in wanted:
+        from ._hf_lm_head import patch_lm_heads
+
+        patch_lm_heads(model, report)
     return report
 
 
@@ -368,7 +376,9 @@ def unpatch(model: nn.Module) -> int:
     The originals get the replacement's current parameters (the same objects,
     so training since the patch is kept) and training mode.
     """
-    restored = 0
+    from ._hf_lm_head import unpatch_lm_heads  # ---- cross_entropy (kern-ce)
+
+    restored = unpatch_lm_heads(model)
     for name, m in list(model.named_modules()):
         orig = m.__dict__.get(_ORIGINAL)
         if orig is None or not name:

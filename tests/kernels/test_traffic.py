@@ -24,7 +24,7 @@ def test_other_kernels_by_hand():
 
 
 def test_errors_and_names():
-    assert KERNELS == ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu")
+    assert KERNELS == ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "cross_entropy")
     with pytest.raises(ValueError, match="unknown kernel 'softmax'"):
         minimal_bytes("softmax", 1, 1)
     with pytest.raises(ValueError, match="sizes must be >= 0"):
