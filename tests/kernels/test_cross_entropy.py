@@ -5,13 +5,17 @@ import subprocess
 import sys
 import textwrap
 
+import importlib
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mfuwatch.kernels import cross_entropy as ce_mod
 from mfuwatch.kernels.cross_entropy import CrossEntropyLoss, cross_entropy
 from tests.helpers.kernel_checks import DEVICE, assert_close
+
+#: the module (``mfuwatch.kernels.cross_entropy`` as a package attribute may be the function of that name)
+ce_mod = importlib.import_module("mfuwatch.kernels.cross_entropy")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

@@ -1,13 +1,17 @@
 """Chunked linear + cross-entropy against a float64 reference (logits formed in float64 here)."""
 
+import importlib
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mfuwatch.kernels import linear_cross_entropy as lce_mod
 from mfuwatch.kernels.linear_cross_entropy import LinearCrossEntropyLoss, chunk_rows, linear_cross_entropy
 from tests.helpers.kernel_checks import DEVICE, assert_close
 from tests.kernels.test_cross_entropy import ref_loss
+
+#: the module (``mfuwatch.kernels.linear_cross_entropy`` as a package attribute may be the function of that name)
+lce_mod = importlib.import_module("mfuwatch.kernels.linear_cross_entropy")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -59,6 +63,15 @@ def test_matches_float64_over_several_chunks(dtype, reduction, bias, gen, small_
     for (g, gr), name in zip(grads, ("dhidden", "dweight", "dbias")):
         assert g.dtype == dtype
         assert_close(g, gr, dtype, name, scale=2.0)  # the logits are rounded to dtype once, as in the GEMM
+
+
+def test_dw_accumulated_in_the_weight_dtype_when_asked(gen, small_chunks, monkeypatch):
+    monkeypatch.setattr(lce_mod, "ACCUMULATE_FP32", False)
+    x, w, b, t = make(gen, torch.bfloat16)
+    loss, r, grads = run(x, w, None, t, "mean", gen)
+    assert_close(loss, r, torch.bfloat16, "loss", scale=2.0)
+    # three chunks each rounded to bf16 on the way: a few roundings more than the fp32 accumulator
+    assert_close(grads[1][0], grads[1][1], torch.bfloat16, "dweight", scale=4.0)
 
 
 def test_three_dim_non_contiguous_hidden(gen, small_chunks):
