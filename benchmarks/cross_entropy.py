@@ -61,7 +61,7 @@ def bench(fn, grad_to_none=()):
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=50, rep=300, grad_to_none=list(grad_to_none), return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=list(grad_to_none), return_mode="median")
 
 
 def copy_bandwidth() -> float:
@@ -259,7 +259,10 @@ def main() -> int:
     ok = check()
     time_ce(bw)
     time_lce()
-    text = table(bw)
+    from mfuwatch.kernels._common import tuned_settings
+
+    text = table(bw) + "\n\nlaunch settings chosen (kernel, device, key) -> (BLOCK, num_warps): " + "; ".join(
+        f"{k[0]} {k[2]} -> {v}" for k, v in tuned_settings().items() if k[0].startswith("ce_"))
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "cross_entropy.md"), "w") as fh:
