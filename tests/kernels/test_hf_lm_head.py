@@ -114,3 +114,17 @@ def test_unrecognised_models_are_left_with_a_reason():
     report = mk.patch(m, kernels=["cross_entropy"])
     left = [x for x in report.left if x.kernel == "cross_entropy"]
     assert report.count() == 0 and left[0].name == "lm_head" and "hooks" in left[0].reason
+
+
+def test_patched_model_under_torch_compile_equals_the_eager_unpatched_one():
+    ref_model = _build("llama")
+    model = copy.deepcopy(ref_model)
+    mk.patch(model, kernels=["cross_entropy"])
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(3))
+    ref_out, ref_grads = _run(ref_model, ids, ids)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # fullgraph: no graph break either
+    out, grads = _run(compiled, ids, ids)
+    assert torch.allclose(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+    for n in ref_grads:
+        assert torch.allclose(grads["_orig_mod." + n] if "_orig_mod." + n in grads else grads[n], ref_grads[n],
+                              rtol=1e-4, atol=1e-6), n
