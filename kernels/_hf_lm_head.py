@@ -10,8 +10,9 @@ What changes, on the instance only (no class or function of transformers is touc
 * ``lm_head`` becomes an :class:`LMHead` holding the *same* ``weight`` (and ``bias``) ``Parameter``
   objects, so ``state_dict`` keys, tied embeddings and optimizers built earlier are unchanged. Called
   normally it computes ``F.linear`` exactly as ``nn.Linear`` does (generation, evaluation without labels).
-* ``model.forward`` becomes a wrapper. Without ``labels`` (or with ``logits_to_keep`` other than 0) it is
-  the original forward. With ``labels`` it runs the original forward with ``labels=None`` while the head
+* ``model.forward`` becomes a wrapper. Without ``labels``, under ``torch.no_grad()`` (evaluation loops,
+  which read the logits) or with ``logits_to_keep`` other than 0 it is the original forward. With
+  ``labels`` and grad mode on (training) it runs the original forward with ``labels=None`` while the head
   hands its input (the last hidden states) over instead of forming the logits, then computes
   transformers' loss (labels shifted left by one, ``ignore_index`` -100, the mean over counted tokens, or
   the sum over ``num_items_in_batch`` when given; ``shift_labels`` honoured) with
@@ -145,8 +146,8 @@ def _wire(m: nn.Module) -> None:
             return orig_forward(*args, **kwargs)
         labels = bound.arguments.get("labels")
         keep = bound.arguments.get("logits_to_keep", 0)
-        if labels is None or not (isinstance(keep, int) and keep == 0):
-            return orig_forward(*args, **kwargs)
+        if labels is None or not torch.is_grad_enabled() or not (isinstance(keep, int) and keep == 0):
+            return orig_forward(*args, **kwargs)  # inference and evaluation (no_grad) keep their logits
         bound.arguments["labels"] = None
         extra = dict(bound.arguments.get("kwargs", {}))
         box: List[torch.Tensor] = []

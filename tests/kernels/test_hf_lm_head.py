@@ -72,9 +72,11 @@ def test_loss_and_gradients_equal_the_unpatched_model(family):
     # logits when asked for, equal to the unpatched model's (softcap included)
     out2 = model(input_ids=ids, labels=labels, return_logits=True)
     assert torch.allclose(out2.logits, ref_out.logits, rtol=1e-5, atol=1e-6)
-    # without labels the model is unchanged: generation and evaluation get the logits
+    # without labels, or in an evaluation loop under no_grad, the model is unchanged: the logits are returned
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, ref_model(input_ids=ids).logits, atol=1e-6)
+        ev = model(input_ids=ids, labels=labels)
+        assert torch.allclose(ev.logits, ref_out.logits, atol=1e-6) and torch.allclose(ev.loss, ref_out.loss)
 
 
 def test_num_items_in_batch_and_tuple_outputs():
