@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, as_rows, cdiv, device_guard, pow2_at_least, row_bucket, tuned, use_triton
+from ._common import (INTERPRET, Launcher, as_rows, cdiv, device_guard, pow2_at_least, row_bucket, sm_count, tuned,
+                      use_triton)
 
 
 @triton.jit
@@ -44,13 +45,16 @@ def _tanh(z):
 
 @triton.jit
 def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
-               HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr):
     """Write ``coef * dloss/dx`` of one row (see the module docstring); ``coef`` is an fp32 scalar."""
     grow = 1.0 + 2.0 * z_loss * lse
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         m = cols < V
-        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        if HINTS:  # the row's last read: let it go first
+            x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             th = _tanh(x / softcap)
             z = softcap * th
@@ -60,7 +64,10 @@ def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
         g = p * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
         if HAS_SOFTCAP:
             g = g * (1.0 - th * th)
-        tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m)
+        if HINTS:
+            tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m, eviction_policy="evict_first")
+        else:
+            tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -68,44 +75,113 @@ def _ce_fwd_kernel(
     X, T, LOSS, LSE, DX, SCALE,  # X: (rows, V) row stride stride_x; T: (rows,) int; LOSS, LSE: (rows,) fp32;
     # DX: (rows, V) row stride stride_dx (may alias X: each element is read before it is written);
     # SCALE: (1,) fp32, the gradient's factor (1 / count for the mean)
-    stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap,
-    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap,
+    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
+    # program p takes rows p, p + P, p + 2P, ... (P programs): P bounds the rows in flight, so that a row's
+    # second read (the gradient pass) can still find it in L2
+    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.full((), 0, tl.int64) + r  # int64 (the interpreter's loop index is a Python int)
+        x_row = X + row * stride_x
+        t = tl.load(T + row).to(tl.int64)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < V)
+        t_safe = tl.where(valid, t, 0)
+        mx = -float("inf")
+        s = 0.0
+        zsum = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < V
+            if HINTS and WRITE_GRAD:  # keep the row in L2 for the gradient pass
+                x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                x = softcap * _tanh(x / softcap)
+            zsum += tl.sum(tl.where(m, x, 0.0), 0)
+            x = tl.where(m, x, -float("inf"))
+            new_mx = tl.maximum(mx, tl.max(x, 0))
+            s = s * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), 0)
+            mx = new_mx
+        lse = mx + tl.log(s)
+        zt = tl.load(x_row + t_safe).to(tl.float32)
+        if HAS_SOFTCAP:
+            zt = softcap * _tanh(zt / softcap)
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+        if WRITE_GRAD:
+            coef = tl.load(SCALE).to(tl.float32)
+            coef = tl.where(valid, coef, float("nan"))
+            coef = tl.where(ignored, 0.0, coef)
+            _grad_pass(x_row, DX + row * stride_dx, V, t_safe, lse, coef, smoothing, z_loss, softcap,
+                       HAS_SOFTCAP, HINTS, BLOCK)
+
+
+@triton.jit
+def _ce_fwd_split_kernel(
+    X, T, LOSS, LSE, DX, SCALE, PM, PS, PZ, CNT,  # X, T, LOSS, LSE, DX, SCALE as _ce_fwd_kernel; PM, PS, PZ:
+    # (rows * S,) fp32 per-segment max, rescaled sum and sum of z; CNT: (rows,) int32 zeros, segments done
+    stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, max_spin,
+    S: tl.constexpr, SP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # S programs per row, program s holding columns [s*BLOCK, (s+1)*BLOCK) in registers: the row is read from
+    # memory once. Each publishes its segment's (max, sum exp, sum z), counts itself done with a release
+    # atomic, waits (acquire) until all S segments of its row are published, and writes its part of the
+    # gradient from the registers. Programs of a row have consecutive ids, so they are dispatched together;
+    # the wait gives up after max_spin polls and writes NaN (never a hang).
+    pid = tl.program_id(0)
+    row = (pid // S).to(tl.int64)
+    seg = pid % S
+    cols = seg * BLOCK + tl.arange(0, BLOCK)
+    m = cols < V
+    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if HAS_SOFTCAP:
+        th = _tanh(x / softcap)
+        z = softcap * th
+    else:
+        z = x
     t = tl.load(T + row).to(tl.int64)
     ignored = t == ignore_index
     valid = (t >= 0) & (t < V)
-    t_safe = tl.where(valid, t, 0)
-    mx = -float("inf")
-    s = 0.0
-    zsum = 0.0
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = cols < V
-        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            x = softcap * _tanh(x / softcap)
-        zsum += tl.sum(tl.where(m, x, 0.0), 0)
-        x = tl.where(m, x, -float("inf"))
-        new_mx = tl.maximum(mx, tl.max(x, 0))
-        s = s * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), 0)
-        mx = new_mx
-    lse = mx + tl.log(s)
-    zt = tl.load(x_row + t_safe).to(tl.float32)
+    zt = tl.sum(tl.where(cols == t, z, 0.0), 0)  # nonzero only in the segment holding the target
+    zm = tl.where(m, z, -float("inf"))
+    mx = tl.max(zm, 0)
+    e = tl.exp(zm - mx)
+    tl.store(PM + pid, mx)
+    tl.store(PS + pid, tl.sum(e, 0))
+    tl.store(PZ + pid, tl.sum(tl.where(m, z, 0.0), 0))
+    n = tl.atomic_add(CNT + row, 1, sem="acq_rel") + 1
+    spins = 0
+    while (n < S) & (spins < max_spin):
+        n = tl.atomic_add(CNT + row, 0, sem="acquire")
+        spins += 1
+    offs = tl.arange(0, SP)
+    om = offs < S
+    pm = tl.load(PM + row * S + offs, mask=om, other=-float("inf"), volatile=True)
+    ps = tl.load(PS + row * S + offs, mask=om, other=0.0, volatile=True)
+    gm = tl.max(pm, 0)
+    lse = gm + tl.log(tl.sum(ps * tl.exp(pm - gm), 0))
+    lse = tl.where(n >= S, lse, float("nan"))
+    if seg == tl.where(valid, t // BLOCK, 0):  # one program per row writes the row's loss and lse
+        zsum = tl.sum(tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True), 0)
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+    coef = tl.load(SCALE).to(tl.float32)
+    coef = tl.where(valid, coef, float("nan"))
+    coef = tl.where(ignored, 0.0, coef)
+    g = e * (tl.exp(mx - lse) * (1.0 + 2.0 * z_loss * lse)) - smoothing / V
+    g = g - tl.where(cols == t, 1.0 - smoothing, 0.0)
     if HAS_SOFTCAP:
-        zt = softcap * _tanh(zt / softcap)
-    loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-    loss = tl.where(valid, loss, float("nan"))
-    loss = tl.where(ignored, 0.0, loss)
-    tl.store(LOSS + row, loss)
-    tl.store(LSE + row, lse)
-    if WRITE_GRAD:
-        coef = tl.load(SCALE).to(tl.float32)
-        coef = tl.where(valid, coef, float("nan"))
-        coef = tl.where(ignored, 0.0, coef)
-        _grad_pass(x_row, DX + row * stride_dx, V, t_safe, lse, coef, smoothing, z_loss, softcap,
-                   HAS_SOFTCAP, BLOCK)
+        g = g * (1.0 - th * th)
+    tl.store(DX + row * stride_dx + cols, (g * coef).to(DX.dtype.element_ty), mask=m,
+             eviction_policy="evict_first")
 
 
 @triton.jit
@@ -123,35 +199,66 @@ def _ce_bwd_kernel(
     coef = tl.where(t == ignore_index, 0.0, coef)  # an ignored row: 0, even when the mean's 1/count is inf
     lse = tl.load(LSE + row)
     _grad_pass(X + row * stride_x, DX + row * stride_dx, V, tl.where(valid, t, 0), lse, coef, smoothing,
-               z_loss, softcap, HAS_SOFTCAP, BLOCK)
+               z_loss, softcap, HAS_SOFTCAP, False, BLOCK)
 
 
 @triton.jit
 def _scale_kernel(DX, G, n, BLOCK: tl.constexpr):  # DX: (n,) contiguous, scaled in place; G: (1,) fp32
     g = tl.load(G).to(tl.float32)
-    if g != 1.0:  # the usual loss.backward(): nothing to do, no bytes moved
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        d = tl.load(DX + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(DX + offs, (d * g).to(DX.dtype.element_ty), mask=m)
+    if g != 1.0:  # the usual loss.backward(): nothing to do, no bytes moved (one small grid, so ~3 us)
+        for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = (tl.full((), 0, tl.int64) + b) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            d = tl.load(DX + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(DX + offs, (d * g).to(DX.dtype.element_ty), mask=m)
 
 
 _FWD = Launcher(_ce_fwd_kernel)
+_FWD_SPLIT = Launcher(_ce_fwd_split_kernel)
 _BWD = Launcher(_ce_bwd_kernel)
 _SCALE = Launcher(_scale_kernel)
 
 
-def _candidates(V: int):
-    """(BLOCK, num_warps) settings to try, the default first; BLOCK never far above V."""
+#: A launch setting of the forward: (BLOCK, num_warps, kind, programs per SM). kind "row": one program per row
+#: (grid = rows when programs per SM is 0, else a persistent grid of that many programs per SM, with L2
+#: eviction hints when writing the gradient); kind "split": S = ceil(V / BLOCK) programs per row, each holding
+#: its BLOCK columns in registers (gradient-writing launches on a GPU only).
+SPLIT_SETTINGS = ((16384, 16), (8192, 8), (16384, 8), (32768, 16))
+#: Most programs per row of the split kernel (its partials are read as one block of this many).
+MAX_SPLIT = 64
+#: Polls of a row's counter before the split kernel gives up and writes NaN (a safeguard: see the kernel).
+MAX_SPIN = 1 << 16
+
+
+def _candidates(V: int, write: bool = False, split: bool = False):
+    """Launch settings to try (see :data:`SPLIT_SETTINGS`), the default first; BLOCK never far above V.
+
+    ``write``: the launch writes the gradient (persistent grids with L2 hints are candidates too);
+    ``split``: the split kernel may run (a CUDA device, not the interpreter, whose programs run one after
+    another and could never wait for each other)."""
     cap = pow2_at_least(V)
-    cands = [(4096, 8), (8192, 16), (2048, 4), (16384, 16), (4096, 16), (1024, 4)]
     out = []
-    for b, w in cands:
+    if write and split:
+        for b, w in SPLIT_SETTINGS:
+            b = min(b, max(cap, 16))
+            c = (b, min(w, max(1, b // 256)), "split", 0)
+            if cdiv(V, b) <= MAX_SPLIT and c not in out:
+                out.append(c)
+    cands = [(4096, 8, 0), (8192, 16, 0), (2048, 4, 0), (16384, 16, 0), (4096, 16, 0), (1024, 4, 0)]
+    if write:
+        cands += [(8192, 16, 1), (4096, 8, 2), (16384, 16, 1), (4096, 16, 1), (2048, 4, 4)]
+    for b, w, pps in cands:
         b = min(b, max(cap, 16))
-        w = min(w, max(1, b // 256))
-        if (b, w) not in out:
-            out.append((b, w))
+        c = (b, min(w, max(1, b // 256)), "row", pps)
+        if c not in out:
+            out.append(c)
     return out
+
+
+def split_ok(x: torch.Tensor) -> bool:
+    """Whether the split kernel may run on ``x``: a CUDA tensor outside the interpreter (whose programs run one
+    after another, so that a program waiting for its row's other segments would give up and write NaN)."""
+    return x.is_cuda and not INTERPRET
 
 
 def check_inputs(x: torch.Tensor, target: torch.Tensor) -> None:
@@ -235,17 +342,30 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
     scale = grad_scale.reshape(1).float() if write else loss  # a placeholder pointer when not writing
     d2, sd = (dx, dx.stride(0)) if write else (x2, sx)
 
+    split = write and split_ok(x)
+
     def launch(c):
-        _FWD(rows, (x2, t, loss, lse, d2, scale, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
-                    float(softcap) if softcap > 0 else 1.0),
-             {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write, "BLOCK": c[0]}, c[1])
+        block, warps, kind, pps = c
+        cap = float(softcap) if softcap > 0 else 1.0
+        if kind == "split":
+            S = cdiv(V, block)
+            part = torch.empty((3, rows * S), dtype=torch.float32, device=x.device)
+            cnt = torch.zeros(rows, dtype=torch.int32, device=x.device)
+            _FWD_SPLIT(rows * S, (x2, t, loss, lse, d2, scale, part[0], part[1], part[2], cnt, sx, sd, V,
+                                  ignore_index, float(smoothing), float(z_loss), cap, MAX_SPIN),
+                       {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "BLOCK": block}, warps)
+            return
+        grid = rows if pps == 0 else min(rows, pps * sm_count(x.device))
+        _FWD(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
+                    cap),
+             {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write, "HINTS": write and pps > 0, "BLOCK": block}, warps)
 
     with device_guard(x):
         if write and dx.data_ptr() == x2.data_ptr():  # in place: a timing run would read its own output
-            launch(_best("ce_fwd", x, V, write))
+            launch(_best("ce_fwd", x, V, write, softcap > 0, split))
         else:
-            launch(tuned("ce_fwd", x.device, (x.dtype, write, softcap > 0, V, row_bucket(rows)),
-                         lambda: _candidates(V), launch, rows * V))
+            launch(tuned("ce_fwd", x.device, (x.dtype, write, softcap > 0, split, V, row_bucket(rows)),
+                         lambda: _candidates(V, write, split), launch, rows * V))
     return loss, lse
 
 
@@ -258,7 +378,7 @@ def _best(kernel: str, x: torch.Tensor, V: int, *flags):
     for (k, dev, key), v in tuned_settings().items():
         if k == kernel and dev == x.device.index and key[0] == x.dtype and key[1:1 + n] == flags and V in key:
             return v
-    return _candidates(V)[0]
+    return _candidates(V, *flags[:1], *flags[2:3])[0] if kernel == "ce_fwd" else _candidates(V)[0]
 
 
 def ce_bwd(grad_rows: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
@@ -306,5 +426,5 @@ def scale_(dx: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     gg = g.reshape(1).float()
     block = 4096
     with device_guard(dx):
-        _SCALE(cdiv(dx.numel(), block), (dx, gg, dx.numel()), {"BLOCK": block}, 8)
+        _SCALE(min(cdiv(dx.numel(), block), 4 * sm_count(dx.device)), (dx, gg, dx.numel()), {"BLOCK": block}, 8)
     return dx

@@ -7,16 +7,19 @@ options). For each chunk of ``C`` rows of ``hidden``::
     logits_c = hidden_c @ weight.T (+ bias)        (C, V), in the compute dtype       GEMM 1
     loss_c, dlogits_c = cross-entropy kernel        dlogits written over logits_c      (one launch)
     dhidden_c = dlogits_c @ weight                  (C, H)                             GEMM 2
-    dweight  += dlogits_c.T @ hidden_c              (V, H), accumulated in fp32         GEMM 3
+    dweight  += dlogits_c.T @ hidden_c              (V, H), see ACCUMULATE_FP32         GEMM 3
     dbias    += sum of dlogits_c over rows          (V,), fp32
 
 so the three GEMMs of the unfused op run once each and only one ``C x V`` chunk of logits is alive.
-``C`` is the largest power of two with ``C x V <= CHUNK_ELEMENTS`` (2^28: 512 MiB of bf16 logits, 2048
+``C`` is the largest power of two with ``C x V <= CHUNK_ELEMENTS`` (2^29: 1 GiB of bf16 logits, 4096
 rows at V = 128256), and at least 256 rows: GEMM 3 then has an arithmetic intensity of about
-``C H / (C + H)`` FLOP per byte (1365 at C = 2048, H = 4096), far above the H200's machine balance
-(about 206), so accumulating dW in chunks stays compute-bound. The fp32 accumulator of dW is the
-gradient itself when the weight is fp32 (autocast with fp32 master weights), else one (V, H) fp32
-buffer, added to in slabs of ``SLAB_ELEMENTS`` so that no chunk's full (V, H) product exists in bf16.
+``C H / (C + H)`` FLOP per byte (2048 at C = H = 4096), far above the H200's machine balance
+(about 206), so accumulating dW in chunks stays compute-bound. With an fp32 weight (autocast with fp32
+master weights) dW is accumulated in fp32 into a buffer that becomes the weight's gradient: no extra
+memory. With a bf16/fp16 weight (the default :data:`ACCUMULATE_FP32` = None) the first chunk's GEMM
+writes dW in the weight's dtype and later chunks add to it with the GEMM's ``beta = 1`` (fp32 inside
+each GEMM; one rounding per chunk); ``ACCUMULATE_FP32 = True`` keeps an fp32 (V, H) accumulator instead
+(2 x V x H bytes more), added to through torch's fp32-output GEMM or in slabs of ``SLAB_ELEMENTS``.
 
 Reductions "mean"/"sum" form the gradients in the forward (the upstream gradient of a reduced loss is
 one scalar, applied in the backward by an in-place kernel that skips 1, without a host-device sync);
@@ -41,16 +44,20 @@ from . import _flops
 from ._common import first_order_only, needs_grad, use_custom_op
 from .cross_entropy import check_options, reduce_rows
 
-#: Elements of logits per chunk (rows per chunk = the largest power of two with rows x V <= this).
-CHUNK_ELEMENTS = 1 << 28
+#: Elements of logits per chunk (rows per chunk = the largest power of two with rows x V <= this): 2^29 is 1 GiB
+#: of bf16 logits, 4096 rows at V = 128256, so an 8192-row batch takes two chunks (two roundings of a bf16 dW).
+CHUNK_ELEMENTS = 1 << 29
 #: Rows per chunk at least (GEMM 3 stays compute-bound), unless N is smaller.
 MIN_CHUNK_ROWS = 256
 #: Elements of one slab of the dW product added to the fp32 accumulator.
 SLAB_ELEMENTS = 1 << 27
-#: Accumulate dW (and db) over the chunks in fp32 (True, the default). False accumulates a bf16/fp16 weight's
-#: gradient in its own dtype with the GEMM's ``beta = 1`` (fp32 inside each chunk's GEMM, one rounding per
-#: chunk): no (V, H) fp32 buffer, i.e. 2 x V x H bytes less memory and no slab additions.
-ACCUMULATE_FP32 = True
+#: How dW is accumulated over the chunks. None (the default): in fp32 when the weight (or the compute dtype) is
+#: fp32 -- the accumulator is then the weight's gradient itself, no extra memory -- else in the weight's
+#: bf16/fp16 dtype: the first chunk's GEMM writes dW (beta = 0), later chunks add to it with the GEMM's
+#: beta = 1 (fp32 inside each GEMM, one rounding per chunk, two at 8192 x 128256): no (V, H) fp32 buffer,
+#: 2 x V x H bytes less memory (1.96 GiB at 128256 x 4096) and no passes over one. True: always an fp32
+#: accumulator (one rounding in all; for a bf16 weight a (V, H) fp32 buffer). False: always the compute dtype.
+ACCUMULATE_FP32: Optional[bool] = None
 _ADDMM_OUT_DTYPE: dict = {}
 
 
@@ -73,6 +80,16 @@ def compute_dtype(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tor
             return torch.get_autocast_gpu_dtype()
     dt = torch.promote_types(hidden.dtype, weight.dtype)
     return torch.promote_types(dt, bias.dtype) if bias is not None else dt
+
+
+def accumulate_fp32(dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
+    """Whether dW is accumulated in fp32 for GEMMs in ``dtype`` and a weight of ``weight_dtype``
+    (:data:`ACCUMULATE_FP32`)."""
+    if dtype == torch.float32:
+        return True
+    if ACCUMULATE_FP32 is None:
+        return weight_dtype == torch.float32
+    return bool(ACCUMULATE_FP32)
 
 
 def _fp32_addmm_works(acc: Tensor, g: Tensor) -> bool:
@@ -129,9 +146,8 @@ def _chunked(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
     if grads:
         if need[0]:
             dh = torch.empty((N, H), dtype=hidden.dtype, device=dev)
-        if need[1]:
-            fp32 = ACCUMULATE_FP32 or dtype == torch.float32 or weight.dtype == torch.float32
-            dw = torch.zeros((V, H), dtype=torch.float32 if fp32 else dtype, device=dev)
+        if need[1] and accumulate_fp32(dtype, weight.dtype):
+            dw = torch.zeros((V, H), dtype=torch.float32, device=dev)  # else the first chunk's GEMM creates it
         if need[2]:
             db = torch.zeros(V, dtype=torch.float32, device=dev)
     with torch.autocast(dev.type, enabled=False):
@@ -159,11 +175,16 @@ def _chunked(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
                     torch.mm(logits, w, out=dh[a:e])
                 else:
                     dh[a:e] = logits @ w
-            if dw is not None:
-                _accumulate_dw(dw, logits, h)
+            if need[1]:
+                if dw is None:
+                    dw = torch.mm(logits.t(), h)  # (V, H) in the compute dtype, beta = 0: no zeros written
+                else:
+                    _accumulate_dw(dw, logits, h)
             if db is not None:
                 db += logits.sum(0, dtype=torch.float32)
             del logits
+    if need[1] and dw is None:  # no rows
+        dw = torch.zeros((V, H), dtype=dtype, device=dev)
     if dw is not None and dw.dtype != weight.dtype:
         dw = dw.to(weight.dtype)
     if db is not None and bias.dtype != torch.float32:

@@ -257,3 +257,39 @@ def test_rows_past_2_pow_31_elements():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"exit {proc.returncode}\nstdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-2000:]}")
+
+
+@pytest.fixture
+def split_kernel(monkeypatch):
+    """The split forward (several programs per row, each holding its columns in registers) on every device:
+    under the interpreter its programs run one after another, so only one-segment rows can finish there."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    monkeypatch.setattr(K, "split_ok", lambda x: True)
+    monkeypatch.setattr(K, "SPLIT_SETTINGS", ((64, 2),))
+    return K
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("opts", OPTIONS[:2], ids=["plain", "softcap+smooth+z"])
+def test_split_kernel_one_segment_per_row(dtype, opts, gen, split_kernel):
+    x = torch.randn(9, 50, generator=gen).to(dtype) * 3
+    t = torch.randint(0, 50, (9,), generator=gen)
+    t[2] = -100
+    assert split_kernel._candidates(50, True, True)[0][2] == "split"
+    check(x, t, "mean", dtype, gen, **opts)
+    check(x, t, "sum", dtype, gen, **opts)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's one-program-at-a-time order")
+def test_split_kernel_gives_up_with_nan_instead_of_hanging(gen, split_kernel, monkeypatch):
+    """Two segments per row under the interpreter: segment 0 cannot see segment 1 (not yet run), polls
+    MAX_SPIN times and writes NaN; segment 1 runs last, sees both partials and writes the right gradient."""
+    monkeypatch.setattr(split_kernel, "MAX_SPIN", 3)
+    x = torch.randn(4, 100, generator=gen) * 2
+    t = torch.randint(0, 100, (4,), generator=gen)
+    xg = x.clone().requires_grad_()
+    cross_entropy(xg, t, reduction="sum").backward()
+    x64 = x.double().requires_grad_()
+    ref_loss(x64, t, "sum").backward()
+    assert torch.isnan(xg.grad[:, :64]).all()
+    assert_close(xg.grad[:, 64:], x64.grad[:, 64:], torch.float32, "second segment")

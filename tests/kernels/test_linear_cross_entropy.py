@@ -65,13 +65,59 @@ def test_matches_float64_over_several_chunks(dtype, reduction, bias, gen, small_
         assert_close(g, gr, dtype, name, scale=2.0)  # the logits are rounded to dtype once, as in the GEMM
 
 
-def test_dw_accumulated_in_the_weight_dtype_when_asked(gen, small_chunks, monkeypatch):
-    monkeypatch.setattr(lce_mod, "ACCUMULATE_FP32", False)
+@pytest.mark.parametrize("mode", [None, True, False], ids=["auto", "fp32", "weight-dtype"])
+def test_dw_accumulation_modes_for_a_bf16_weight(mode, gen, small_chunks, monkeypatch):
+    monkeypatch.setattr(lce_mod, "ACCUMULATE_FP32", mode)
+    assert lce_mod.accumulate_fp32(torch.bfloat16, torch.bfloat16) is bool(mode)
     x, w, b, t = make(gen, torch.bfloat16)
     loss, r, grads = run(x, w, None, t, "mean", gen)
     assert_close(loss, r, torch.bfloat16, "loss", scale=2.0)
-    # three chunks each rounded to bf16 on the way: a few roundings more than the fp32 accumulator
-    assert_close(grads[1][0], grads[1][1], torch.bfloat16, "dweight", scale=4.0)
+    assert grads[1][0].dtype == torch.bfloat16
+    # three chunks, each rounded to bf16 on the way without the fp32 accumulator: a few roundings more
+    assert_close(grads[1][0], grads[1][1], torch.bfloat16, "dweight", scale=2.0 if mode else 4.0)
+
+
+def test_accumulation_policy():
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert lce_mod.accumulate_fp32(bf16, f32)  # autocast with fp32 master weights: into the fp32 gradient
+    assert lce_mod.accumulate_fp32(f32, f32) and lce_mod.accumulate_fp32(f32, bf16)
+    assert not lce_mod.accumulate_fp32(bf16, bf16) and not lce_mod.accumulate_fp32(f16, f16)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bf16_weight_gradient_accumulated_over_two_backward_calls(reduction, gen, small_chunks):
+    """Default (weight-dtype) dW accumulation: two micro-batches' gradients add up in w.grad."""
+    x1, w, _, t1 = make(gen, torch.bfloat16)
+    x2, _, _, t2 = make(gen, torch.bfloat16)
+    wd = w.clone().to(DEVICE).requires_grad_()
+    for x, t in ((x1, t1), (x2, t2)):
+        loss = linear_cross_entropy(x.to(DEVICE), wd, t.to(DEVICE), reduction=reduction)
+        (loss if reduction == "mean" else loss.sum()).backward()
+    assert wd.grad.dtype == torch.bfloat16
+    w64 = w.detach().double().requires_grad_()
+    red = "mean" if reduction == "mean" else "sum"
+    (ref_loss(x1.double() @ w64.T, t1, red) + ref_loss(x2.double() @ w64.T, t2, red)).backward()
+    assert_close(wd.grad, w64.grad, torch.bfloat16, "accumulated dweight", scale=4.0)
+
+
+def test_fp32_weight_under_autocast_accumulates_into_its_fp32_gradient(gen, small_chunks, monkeypatch):
+    """fp32 master weight, bf16 GEMMs: dW is accumulated in fp32 (the buffer handed over as w.grad), over
+    several chunks and two backward calls, with no rounding of dW to bf16 anywhere."""
+    seen = []
+    real = lce_mod._accumulate_dw
+    monkeypatch.setattr(lce_mod, "_accumulate_dw", lambda acc, g, h: (seen.append(acc.dtype), real(acc, g, h)))
+    x1, w, _, t1 = make(gen, torch.float32)
+    x2, _, _, t2 = make(gen, torch.float32)
+    wd = w.clone().to(DEVICE).requires_grad_()
+    for x, t in ((x1, t1), (x2, t2)):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            linear_cross_entropy(x.to(DEVICE), wd, t.to(DEVICE), reduction="sum").backward()
+    assert wd.grad.dtype == torch.float32 and seen and set(seen) == {torch.float32}
+    # reference from the bf16-rounded operands the GEMMs saw, in float64
+    xb = [a.to(torch.bfloat16).double() for a in (x1, x2)]
+    w64 = w.to(torch.bfloat16).double().requires_grad_()
+    (ref_loss(xb[0] @ w64.T, t1, "sum") + ref_loss(xb[1] @ w64.T, t2, "sum")).backward()
+    assert_close(wd.grad, w64.grad, torch.bfloat16, "accumulated fp32 dweight", scale=2.0)
 
 
 def test_three_dim_non_contiguous_hidden(gen, small_chunks):
@@ -164,10 +210,10 @@ def test_custom_op_path_under_compile_and_flop_counter(gen, small_chunks):
 
 
 def test_chunk_rows_keep_the_dw_gemm_compute_bound():
-    assert chunk_rows(8192, 128256) == 2048
+    assert chunk_rows(8192, 128256) == 4096  # two chunks of 1 GiB bf16 logits
     assert chunk_rows(8192, 32000) == 8192
     assert chunk_rows(100, 262144) == 100
-    assert chunk_rows(8192, 262144) == 1024
+    assert chunk_rows(8192, 262144) == 2048
 
 
 def test_module_and_errors(gen):
