@@ -210,10 +210,10 @@ def test_custom_op_path_under_compile_and_flop_counter(gen, small_chunks):
 
 
 def test_chunk_rows_keep_the_dw_gemm_compute_bound():
-    assert chunk_rows(8192, 128256) == 4096  # two chunks of 1 GiB bf16 logits
+    assert chunk_rows(8192, 128256) == 2048
     assert chunk_rows(8192, 32000) == 8192
     assert chunk_rows(100, 262144) == 100
-    assert chunk_rows(8192, 262144) == 2048
+    assert chunk_rows(8192, 262144) == 1024
 
 
 def test_module_and_errors(gen):
@@ -227,3 +227,21 @@ def test_module_and_errors(gen):
         linear_cross_entropy(x, w, t[:10])
     with pytest.raises(ValueError, match="z_loss=-1"):
         LinearCrossEntropyLoss(z_loss=-1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the side stream exists on CUDA only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_overlapped_chunks_equal_the_serial_loop(dtype, reduction, gen, small_chunks, monkeypatch):
+    """Two streams over two chunk buffers give the serial loop's loss and gradients (the same GEMMs)."""
+    x, w, b, t = make(gen, dtype, n=37, bias=True)
+    got = []
+    for overlap in (True, False):
+        monkeypatch.setattr(lce_mod, "OVERLAP", overlap)
+        leaves = [a.to(DEVICE).requires_grad_() for a in (x, w, b)]
+        loss = linear_cross_entropy(leaves[0], leaves[1], t.to(DEVICE), leaves[2], reduction=reduction)
+        loss.sum().backward()
+        torch.cuda.synchronize()
+        got.append([loss.detach()] + [a.grad for a in leaves])
+    for a, c in zip(*got):
+        assert_close(a, c, dtype, "overlapped vs serial")
