@@ -19,8 +19,12 @@ Lanes past ``V`` in the last block are set to ``-inf`` *after* the softcap, so t
 mass (``c * tanh(-inf)`` would be ``-c``).
 
 Bytes per element of ``b`` bytes: the forward reads the row once (``b``); the gradient pass reads it
-again and writes ``dx`` (``2b``). The fused forward (``write_grad``) runs both passes in one program,
-so its second read of a row usually comes from L2; the unfused backward reads the saved ``lse``.
+again and writes ``dx`` (``2b``). The fused forward (``write_grad``) runs both passes in one program; with
+one program per row (the launch the tuner picks on the H200) thousands of rows are in flight, far more
+than L2 holds, so the second read comes mostly from HBM (1.835 ms at 8192 x 128256 bf16, 7.4 bytes per
+logit at copy bandwidth: ``docs/gpu-runs/cross_entropy-run2.md``). Persistent grids with eviction hints
+(fewer rows in flight) and the split kernel (each row read once) were measured slower there; they stay as
+options. The unfused backward reads the saved ``lse``.
 Offsets are int64 (``row * stride`` past 2^31 elements). No host-device sync anywhere: the mean's
 ``1 / count`` and the upstream gradient are read from device memory by the kernels.
 """
