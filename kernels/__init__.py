@@ -30,7 +30,7 @@ import sys
 import types
 
 #: Kernel names accepted by :func:`patch` (and used by the suggestions registry).
-AVAILABLE_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary")
+AVAILABLE_KERNELS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary", "cross_entropy")
 
 _LAZY = {
     "rms_norm": ".rms_norm",
@@ -48,6 +48,10 @@ _LAZY = {
     "GLUFunction": ".glu",
     "apply_rotary": ".rotary",
     "RotaryFunction": ".rotary",
+    "cross_entropy": ".cross_entropy",
+    "CrossEntropyLoss": ".cross_entropy",
+    "linear_cross_entropy": ".linear_cross_entropy",
+    "LinearCrossEntropyLoss": ".linear_cross_entropy",
     "patch": ".patching",
     "unpatch": ".patching",
     "PatchReport": ".patching",

@@ -32,6 +32,21 @@ GLUs (``g`` = gate, ``u`` = up)::
     geglu tanh bwd:  t as above (6), a=0.5*g*(1+t) (3), da (11),
                      dy*a, dy*u*da (2)                              23
 
+Cross-entropy, per logit (``rows x V``)::
+
+    cross_entropy fwd:   x - max, exp, running sum, running max    4
+                         softcap c*tanh(x/c): divide, tanh, mul    +3
+    cross_entropy bwd:   z - lse, exp, *(1 + 2 zl lse), -eps/V,
+                         *upstream gradient                        5
+                         softcap: z again (3), 1 - (z/c)^2 (2), *  +6
+
+Linear + cross-entropy (``hidden`` (N, H), ``weight`` (V, H)): the three GEMMs count ``2 N H V`` each
+(logits, dhidden, dweight), plus the cross-entropy FLOPs of the ``N x V`` logits and ``N x V`` for the
+bias gradient when there is a bias. Its forward op counts the logits GEMM, and the two gradient GEMMs
+when it forms the gradients in the forward (``reduction`` "mean"/"sum"); the ``reduction="none"``
+backward op recomputes the logits, but counts only the two gradient GEMMs, as model FLOPs exclude
+recomputation (PaLM appendix B).
+
 These elementwise FLOPs are tiny next to a model's matmuls (for a
 Llama-style block about 1e-4 of the total), so patching a model does not move
 its MFU; PyTorch's own counter assigns the unfused norms and activations zero.
@@ -49,6 +64,8 @@ LN_FWD = {(True, True): 7, (True, False): 6, (False, False): 5, (False, True): 6
 LN_BWD = {(True, True): 13, (True, False): 12, (False, False): 9, (False, True): 10}
 GLU_FWD = {"silu": 5, "gelu": 6, "gelu_tanh": 10}
 GLU_BWD = {"silu": 11, "gelu": 14, "gelu_tanh": 23}
+CE_FWD, CE_SOFTCAP_FWD = 4, 3
+CE_BWD, CE_SOFTCAP_BWD = 5, 6
 
 
 def numel(shape) -> int:

@@ -18,6 +18,9 @@ kernel                 modules                                                re
 ``rotary``             Hugging Face attention modules whose ``forward``         the module's
                        calls ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2/3, ``forward``
                        Gemma 2/3, Phi-3, ...)                                   (instance)
+``cross_entropy``      a Hugging Face ``*ForCausalLM``'s ``lm_head`` + loss     linear_cross_entropy
+                       (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3; see
+                       :mod:`._hf_lm_head`)
 =====================  =====================================================  ==========
 
 For ``rotary`` the attention module stays; this instance gets a ``forward`` that calls
@@ -52,7 +55,7 @@ from .glu import GeGLUMLP, SwiGLUMLP
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
 
-KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary")
+KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary", "cross_entropy")
 _ORIGINAL = "_mfuwatch_original"
 _OURS = (RMSNorm, LayerNorm, SwiGLUMLP, GeGLUMLP)
 _ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
@@ -348,6 +351,11 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
         setattr(parent, child, new)
         report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), kernel))
     _patch_rotary(model, "rotary" in wanted, verify, wanted, report)
+    # ---- cross_entropy: the LM head + loss of Hugging Face causal LMs (the wiring is in _hf_lm_head)
+    if "cross_entropy" in wanted:
+        from ._hf_lm_head import patch_lm_heads
+
+        patch_lm_heads(model, report)
     return report
 
 
@@ -398,6 +406,9 @@ def unpatch(model: nn.Module) -> int:
     to the fused rotary get their class's ``forward`` back (each counts as one).
     """
     restored = _hf_rotary.unwire(model)
+    from ._hf_lm_head import unpatch_lm_heads
+
+    restored += unpatch_lm_heads(model)
     for name, m in list(model.named_modules()):
         orig = m.__dict__.get(_ORIGINAL)
         if orig is None or not name:

@@ -13,8 +13,8 @@ Each :class:`Remedy` is either
 * ``kind="bundled"``: a Triton drop-in in :mod:`mfuwatch.kernels`, applied with
   ``mfuwatch.kernels.patch(model, kernels=[...])``. Only names in :data:`BUNDLED_KERNELS`
   (= ``mfuwatch.kernels.AVAILABLE_KERNELS``) may be bundled (a bundled entry naming anything
-  else raises at import); remedies for ops without a bundled kernel yet (cross-entropy) point to an
-  existing fix and say so in their title.
+  else raises at import); remedies for ops without a bundled kernel point to an existing fix and
+  say so in their title.
 
 How an entry finds its ops (first that applies):
 
@@ -167,16 +167,20 @@ REGISTRY: Tuple[Remedy, ...] = (
              "and writes dq, dk, dv (8) backward; it still does the two matmuls",
     ),
     Remedy(
-        kernel="cross_entropy", kind="existing",
-        title="Fuse log_softmax + nll_loss with torch.compile (no bundled kernel yet)",
-        apply="loss = torch.compile(torch.nn.functional.cross_entropy)(logits, targets)",
+        kernel="cross_entropy", kind="bundled",
+        title="Fused cross-entropy (Triton drop-in): a Hugging Face causal LM's head + loss in chunks without "
+              "the full logits (linear_cross_entropy); elsewhere mfuwatch.kernels.cross_entropy(logits, targets)",
+        apply=_patch("cross_entropy"),
         replaces="[logits.float()] → log_softmax → nll_loss, or cross_entropy_loss",
         sequence=(Step(_ops("to", "_to_copy"), optional=True),
                   Step(_ops("cross_entropy_loss", "log_softmax", "_log_softmax")),
                   Step(_ops("nll_loss", "nll_loss_nd"), optional=True)),
-        anchor_arg=0, passes_forward=1.0, passes_backward=2.0,
-        note="F.cross_entropy alone runs the same two kernels in eager mode; compiling it fuses them. "
-             "Fused: read logits (forward), read logits + write dlogits (backward)",
+        anchor_arg=0,
+        note="bytes from mfuwatch.kernels.traffic: forward reads the logits, backward reads them again and "
+             "writes dlogits (the fused forward forms the gradient while the row is in cache). For model code "
+             "outside the recognised families: loss = mfuwatch.kernels.cross_entropy(logits, targets), or "
+             "mfuwatch.kernels.linear_cross_entropy(hidden, lm_head.weight, targets) to skip the logits; "
+             "under torch.compile, compiling F.cross_entropy fuses the same ops",
     ),
     Remedy(
         kernel="rotary", kind="bundled",

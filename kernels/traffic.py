@@ -22,16 +22,23 @@ swiglu, geglu   read gate, up; write y:          read gate, up, dy; write dgate,
 rotary          read x; write x_embed: ``2*E*b``  read dy; write dx: ``2*E*b``
                 (one of q, k: rows = B*H*T,       (cos/sin: ``2*B*T*R`` elements per
                 hidden = D)                       call, shared by all heads, left out)
+cross_entropy   read the logits: ``E*b``          read the logits, write dlogits:
+                (hidden = the vocabulary V;      ``2*E*b`` (the per-row loss and
+                E = tokens x V)                  log-sum-exp, 4 bytes each, left out)
 ==============  ===============================  =====================================
+
+``cross_entropy`` is also the count for the chunked LM head + loss (``linear_cross_entropy``), whose
+logits chunks are formed by the GEMM and read back by the loss kernel while hot: the GEMMs' own operands
+are counted with the matmuls, not here.
 """
 
 from __future__ import annotations
 
 # (activation multiple of E*b, weight-vector multiple of H*wb) per kernel, forward and backward
 _FWD = {"rms_norm": (2, 1), "layer_norm": (2, 2), "add_rms_norm": (4, 1), "swiglu": (3, 0), "geglu": (3, 0),
-        "rotary": (2, 0)}
+        "rotary": (2, 0), "cross_entropy": (1, 0)}
 _BWD = {"rms_norm": (3, 2), "layer_norm": (3, 4), "add_rms_norm": (4, 2), "swiglu": (5, 0), "geglu": (5, 0),
-        "rotary": (2, 0)}
+        "rotary": (2, 0), "cross_entropy": (2, 0)}
 
 
 def minimal_bytes(kernel: str, rows: int, hidden: int, dtype_bytes: int = 2, *, backward: bool = False,

@@ -9,7 +9,7 @@ import mfuwatch.kernels as mk
 
 def test_import_loads_neither_torch_nor_triton():
     code = ("import sys, mfuwatch.kernels as mk, mfuwatch.kernels.traffic; "
-            "assert mk.AVAILABLE_KERNELS == ('rms_norm', 'layer_norm', 'add_rms_norm', 'swiglu', 'geglu', 'rotary'); "
+            "assert mk.AVAILABLE_KERNELS == ('rms_norm', 'layer_norm', 'add_rms_norm', 'swiglu', 'geglu', 'rotary', 'cross_entropy'); "
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -43,15 +43,14 @@ def test_bundled_entries_are_exactly_kernels_that_exist():
         if r.bundled:
             assert r.apply == f'mfuwatch.kernels.patch(model, kernels=["{r.kernel}"])'
     with pytest.raises(ValueError, match="AVAILABLE_KERNELS"):
-        Remedy(kernel="cross_entropy", title="t", kind="bundled", apply="x", replaces="y")
+        Remedy(kernel="no_such_kernel", title="t", kind="bundled", apply="x", replaces="y")
 
 
-def test_ops_without_a_bundled_kernel_point_to_an_existing_fix():
-    for k in ("cross_entropy",):
+def test_rotary_and_cross_entropy_are_bundled_drop_ins():
+    for k in ("rotary", "cross_entropy"):  # the rotate-half chain and the loss now have drop-ins
         r = by_kernel(k)
-        assert r.kind == "existing" and not r.bundled
-        assert "torch.compile" in r.apply and "no bundled kernel yet" in r.title
-    assert "F.cross_entropy" in by_kernel("cross_entropy").note
+        assert r.kind == "bundled" and r.bundled
+        assert r.apply == f'mfuwatch.kernels.patch(model, kernels=["{k}"])'
     with pytest.raises(KeyError, match="rms_norm"):
         by_kernel("nope")
 

@@ -1,0 +1,440 @@
+"""Triton kernels (and their PyTorch fallback) for cross-entropy over a vocabulary: one program per row.
+
+Per row of logits ``x`` (``V`` entries, any float dtype, math in fp32) with target ``t``::
+
+    z     = c * tanh(x / c)                 (softcap c, Gemma 2/3; z = x without it)
+    lse   = log(sum_j exp(z_j))             (online: running max and rescaled sum, one pass)
+    loss  = (1 - eps) * (lse - z_t) + eps * (lse - mean_j z_j) + zl * lse^2
+
+(``eps`` = label smoothing as in ``torch.nn.functional.cross_entropy``, whose smoothed target puts
+``eps / V`` on every class; ``zl`` = the z-loss weight of PaLM, Chowdhery et al. 2022, section 5).
+Rows whose target is ``ignore_index`` give loss 0 and gradient 0; a target outside ``[0, V)`` that is
+not ``ignore_index`` gives a NaN loss and NaN gradients (torch raises; a check here would cost a
+host-device sync). Gradient, with ``p = softmax(z)``::
+
+    dloss/dz_j = p_j * (1 + 2 zl lse) - eps / V - (1 - eps) [j == t]
+    dz/dx      = 1 - (z / c)^2              (softcap only)
+
+Lanes past ``V`` in the last block are set to ``-inf`` *after* the softcap, so they take no probability
+mass (``c * tanh(-inf)`` would be ``-c``).
+
+Bytes per element of ``b`` bytes: the forward reads the row once (``b``); the gradient pass reads it
+again and writes ``dx`` (``2b``). The fused forward (``write_grad``) runs both passes in one program; with
+one program per row (the launch the tuner picks on the H200) thousands of rows are in flight, far more
+than L2 holds, so the second read comes mostly from HBM (1.835 ms at 8192 x 128256 bf16, 7.4 bytes per
+logit at copy bandwidth: ``docs/gpu-runs/cross_entropy-run2.md``). Persistent grids with eviction hints
+(fewer rows in flight) and the split kernel (each row read once) were measured slower there; they stay as
+options. The unfused backward reads the saved ``lse``.
+Offsets are int64 (``row * stride`` past 2^31 elements). No host-device sync anywhere: the mean's
+``1 / count`` and the upstream gradient are read from device memory by the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (INTERPRET, Launcher, as_rows, cdiv, device_guard, pow2_at_least, row_bucket, sm_count, tuned,
+                      use_triton)
+
+
+@triton.jit
+def _tanh(z):
+    """tanh via the sigmoid (tanh(z) = 2 sigmoid(2z) - 1; no libdevice needed)."""
+    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+
+
+@triton.jit
+def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
+               HAS_SOFTCAP: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr = 1):
+    """Write ``coef * dloss/dx`` of one row (see the module docstring); ``coef`` is an fp32 scalar."""
+    grow = 1.0 + 2.0 * z_loss * lse
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < V
+        if HINTS:  # the row's last read: let it go first
+            x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            th = _tanh(x / softcap)
+            z = softcap * th
+        else:
+            z = x
+        p = tl.exp(z - lse)
+        g = p * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+        if HAS_SOFTCAP:
+            g = g * (1.0 - th * th)
+        if HINTS:
+            tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m, eviction_policy="evict_first")
+        else:
+            tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    X, T, LOSS, LSE, DX, SCALE,  # X: (rows, V) row stride stride_x; T: (rows,) int; LOSS, LSE: (rows,) fp32;
+    # DX: (rows, V) row stride stride_dx (may alias X: each element is read before it is written);
+    # SCALE: (1,) fp32, the gradient's factor (1 / count for the mean)
+    rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap,
+    HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    # program p takes rows p, p + P, p + 2P, ... (P programs): P bounds the rows in flight, so that a row's
+    # second read (the gradient pass) can still find it in L2
+    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.full((), 0, tl.int64) + r  # int64 (the interpreter's loop index is a Python int)
+        x_row = X + row * stride_x
+        t = tl.load(T + row).to(tl.int64)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < V)
+        t_safe = tl.where(valid, t, 0)
+        mx = -float("inf")
+        s = 0.0
+        zsum = 0.0
+        for start in tl.range(0, V, BLOCK, num_stages=STAGES):  # STAGES > 1: loads issued ahead (pipelined)
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < V
+            if HINTS and WRITE_GRAD:  # keep the row in L2 for the gradient pass
+                x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            else:
+                x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                x = softcap * _tanh(x / softcap)
+            zsum += tl.sum(tl.where(m, x, 0.0), 0)
+            x = tl.where(m, x, -float("inf"))
+            new_mx = tl.maximum(mx, tl.max(x, 0))
+            s = s * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), 0)
+            mx = new_mx
+        lse = mx + tl.log(s)
+        zt = tl.load(x_row + t_safe).to(tl.float32)
+        if HAS_SOFTCAP:
+            zt = softcap * _tanh(zt / softcap)
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+        if WRITE_GRAD:
+            coef = tl.load(SCALE).to(tl.float32)
+            coef = tl.where(valid, coef, float("nan"))
+            coef = tl.where(ignored, 0.0, coef)
+            _grad_pass(x_row, DX + row * stride_dx, V, t_safe, lse, coef, smoothing, z_loss, softcap,
+                       HAS_SOFTCAP, HINTS, BLOCK, STAGES)
+
+
+@triton.jit
+def _ce_fwd_split_kernel(
+    X, T, LOSS, LSE, DX, SCALE, PM, PS, PZ, CNT,  # X, T, LOSS, LSE, DX, SCALE as _ce_fwd_kernel; PM, PS, PZ:
+    # (rows * S,) fp32 per-segment max, rescaled sum and sum of z; CNT: (rows,) int32 zeros, segments done
+    stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, max_spin,
+    S: tl.constexpr, SP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # S programs per row, program s holding columns [s*BLOCK, (s+1)*BLOCK) in registers: the row is read from
+    # memory once. Each publishes its segment's (max, sum exp, sum z), counts itself done with a release
+    # atomic, waits (acquire) until all S segments of its row are published, and writes its part of the
+    # gradient from the registers. Programs of a row have consecutive ids, so they are dispatched together;
+    # the wait gives up after max_spin polls and writes NaN (never a hang).
+    pid = tl.program_id(0)
+    row = (pid // S).to(tl.int64)
+    seg = pid % S
+    cols = seg * BLOCK + tl.arange(0, BLOCK)
+    m = cols < V
+    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if HAS_SOFTCAP:
+        th = _tanh(x / softcap)
+        z = softcap * th
+    else:
+        z = x
+    t = tl.load(T + row).to(tl.int64)
+    ignored = t == ignore_index
+    valid = (t >= 0) & (t < V)
+    zt = tl.sum(tl.where(cols == t, z, 0.0), 0)  # nonzero only in the segment holding the target
+    zm = tl.where(m, z, -float("inf"))
+    mx = tl.max(zm, 0)
+    e = tl.exp(zm - mx)
+    tl.store(PM + pid, mx)
+    tl.store(PS + pid, tl.sum(e, 0))
+    tl.store(PZ + pid, tl.sum(tl.where(m, z, 0.0), 0))
+    n = tl.atomic_add(CNT + row, 1, sem="acq_rel") + 1
+    spins = 0
+    while (n < S) & (spins < max_spin):
+        n = tl.atomic_add(CNT + row, 0, sem="acquire")
+        spins += 1
+    offs = tl.arange(0, SP)
+    om = offs < S
+    pm = tl.load(PM + row * S + offs, mask=om, other=-float("inf"), volatile=True)
+    ps = tl.load(PS + row * S + offs, mask=om, other=0.0, volatile=True)
+    gm = tl.max(pm, 0)
+    lse = gm + tl.log(tl.sum(ps * tl.exp(pm - gm), 0))
+    lse = tl.where(n >= S, lse, float("nan"))
+    if seg == tl.where(valid, t // BLOCK, 0):  # one program per row writes the row's loss and lse
+        zsum = tl.sum(tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True), 0)
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+    coef = tl.load(SCALE).to(tl.float32)
+    coef = tl.where(valid, coef, float("nan"))
+    coef = tl.where(ignored, 0.0, coef)
+    g = e * (tl.exp(mx - lse) * (1.0 + 2.0 * z_loss * lse)) - smoothing / V
+    g = g - tl.where(cols == t, 1.0 - smoothing, 0.0)
+    if HAS_SOFTCAP:
+        g = g * (1.0 - th * th)
+    tl.store(DX + row * stride_dx + cols, (g * coef).to(DX.dtype.element_ty), mask=m,
+             eviction_policy="evict_first")
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    X, T, LSE, G, DX,  # X: (rows, V) row stride stride_x; T, LSE: (rows,); G: per-row upstream gradient
+    # (fp32, stride stride_g; 0 for a broadcast scalar); DX: (rows, V) row stride stride_dx
+    stride_x, stride_g, stride_dx, V, ignore_index, smoothing, z_loss, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(T + row).to(tl.int64)
+    valid = (t >= 0) & (t < V)
+    coef = tl.load(G + row * stride_g).to(tl.float32)
+    coef = tl.where(valid, coef, float("nan"))
+    coef = tl.where(t == ignore_index, 0.0, coef)  # an ignored row: 0, even when the mean's 1/count is inf
+    lse = tl.load(LSE + row)
+    _grad_pass(X + row * stride_x, DX + row * stride_dx, V, tl.where(valid, t, 0), lse, coef, smoothing,
+               z_loss, softcap, HAS_SOFTCAP, False, BLOCK)
+
+
+@triton.jit
+def _scale_kernel(DX, G, n, BLOCK: tl.constexpr):  # DX: (n,) contiguous, scaled in place; G: (1,) fp32
+    g = tl.load(G).to(tl.float32)
+    if g != 1.0:  # the usual loss.backward(): nothing to do, no bytes moved (one small grid, so ~3 us)
+        for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = (tl.full((), 0, tl.int64) + b) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            d = tl.load(DX + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(DX + offs, (d * g).to(DX.dtype.element_ty), mask=m)
+
+
+_FWD = Launcher(_ce_fwd_kernel)
+_FWD_SPLIT = Launcher(_ce_fwd_split_kernel)
+_BWD = Launcher(_ce_bwd_kernel)
+_SCALE = Launcher(_scale_kernel)
+
+
+#: A launch setting of the forward: (BLOCK, num_warps, kind, programs per SM, stages). kind "row": one program
+#: per row (grid = rows when programs per SM is 0, else a persistent grid of that many programs per SM, with L2
+#: eviction hints when writing the gradient), loads pipelined ``stages`` deep when > 1; kind "split":
+#: S = ceil(V / BLOCK) programs per row, each holding its BLOCK columns in registers (gradient-writing launches
+#: on a GPU only).
+#: (BLOCK, num_warps) of the split kernel's candidates: none by default. Measured on the H200 (run 2 sweep,
+#: 8192 x 128256 bf16 fwd+bwd): 2.73-3.75 ms against 1.86 ms for one program per row, so it is not tried.
+SPLIT_SETTINGS: tuple = ()
+#: Most programs per row of the split kernel (its partials are read as one block of this many).
+MAX_SPLIT = 64
+#: Polls of a row's counter before the split kernel gives up and writes NaN (a safeguard: see the kernel).
+MAX_SPIN = 1 << 16
+
+
+def _candidates(V: int, write: bool = False, split: bool = False):
+    """Launch settings to try (see :data:`SPLIT_SETTINGS`), the default first; BLOCK never far above V.
+
+    ``write``: the launch writes the gradient (persistent grids with L2 hints are candidates too);
+    ``split``: the split kernel may run (a CUDA device, not the interpreter, whose programs run one after
+    another and could never wait for each other)."""
+    cap = pow2_at_least(V)
+    out = []
+    if write and split:
+        for b, w in SPLIT_SETTINGS:
+            b = min(b, max(cap, 16))
+            c = (b, min(w, max(1, b // 256)), "split", 0, 1)
+            if cdiv(V, b) <= MAX_SPLIT and c not in out:
+                out.append(c)
+    cands = [(4096, 8, 0, 1), (2048, 4, 0, 1), (16384, 16, 0, 1), (8192, 16, 0, 1), (1024, 4, 0, 1),
+             (2048, 4, 0, 2), (4096, 8, 0, 2), (2048, 4, 0, 3), (4096, 8, 0, 3), (8192, 8, 0, 2)]
+    if write:  # persistent grids with L2 hints: 2.3-4.0 ms in the run 2 sweep; the best two stay candidates
+        cands += [(16384, 16, 1, 1), (8192, 16, 1, 1)]
+    for b, w, pps, st in cands:
+        b = min(b, max(cap, 16))
+        c = (b, min(w, max(1, b // 256)), "row", pps, st)
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def split_ok(x: torch.Tensor) -> bool:
+    """Whether the split kernel may run on ``x``: a CUDA tensor outside the interpreter (whose programs run one
+    after another, so that a program waiting for its row's other segments would give up and write NaN)."""
+    return x.is_cuda and not INTERPRET
+
+
+def check_inputs(x: torch.Tensor, target: torch.Tensor) -> None:
+    """ValueError unless ``x`` is (rows, V) fp32/fp16/bf16 and ``target`` an integer (rows,) on its device."""
+    if x.dim() != 2:
+        raise ValueError(f"logits must be 2-D (rows, V) here, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"logits dtype {x.dtype} is not supported (float32, float16 or bfloat16)")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target dtype {target.dtype} is not int64 or int32 (class-probability targets are "
+                         "not supported)")
+    if tuple(target.shape) != (x.shape[0],):
+        raise ValueError(f"target shape {tuple(target.shape)} != ({x.shape[0]},), the logits' rows")
+    if target.device != x.device:
+        raise ValueError(f"target device {target.device} != logits device {x.device}")
+
+
+# ---------------------------------------------------------------- PyTorch fallback (CPU without the interpreter)
+
+def _torch_rows(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float, z_loss: float,
+                softcap: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(z, lse, loss rows, valid, ignored) computed with torch ops in fp32, no autograd needed."""
+    z = x.float()
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    t = target.long()
+    valid = (t >= 0) & (t < x.shape[1])
+    ignored = t == ignore_index
+    zt = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+    loss = (1 - smoothing) * (lse - zt) + smoothing * (lse - z.mean(-1)) + z_loss * lse * lse
+    loss = torch.where(valid, loss, float("nan"))
+    return z, lse, torch.where(ignored, 0.0, loss), (valid, ignored)
+
+
+def _torch_grad(z: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
+                valid_ignored, smoothing: float, z_loss: float, softcap: float) -> torch.Tensor:
+    """fp32 gradient of the rows' loss times ``coef`` (per row, broadcastable)."""
+    valid, ignored = valid_ignored
+    V = z.shape[1]
+    p = torch.exp(z - lse.unsqueeze(1))
+    g = p * (1 + 2 * z_loss * lse).unsqueeze(1) - smoothing / V
+    g.scatter_add_(1, torch.where(valid, target.long(), 0).unsqueeze(1),
+                   torch.full((z.shape[0], 1), -(1 - smoothing), dtype=g.dtype, device=g.device))
+    if softcap > 0:
+        g = g * (1 - (z / softcap) ** 2)
+    coef = torch.where(valid, coef.float(), float("nan"))
+    coef = torch.where(ignored, 0.0, coef)
+    return g * coef.unsqueeze(1)
+
+
+# ---------------------------------------------------------------- launchers
+
+def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float, z_loss: float,
+           softcap: float, grad_scale: Optional[torch.Tensor] = None, dx: Optional[torch.Tensor] = None
+           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss and lse (both fp32, (rows,)) of logits ``x`` (rows, V); ``softcap`` 0 means none.
+
+    With ``grad_scale`` (a (1,) or 0-d fp32 device tensor) the same launch also writes
+    ``grad_scale * dloss_row/dx`` into ``dx`` ((rows, V), contiguous; it may be ``x`` itself when ``x``
+    is contiguous and private to the caller). ``x`` may have any row stride (unit column stride, else
+    it is copied).
+    """
+    check_inputs(x, target)
+    rows, V = x.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=x.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return loss, lse
+    write = grad_scale is not None
+    if not use_triton(x):
+        z, lse_, loss_, vi = _torch_rows(x, target, ignore_index, smoothing, z_loss, softcap)
+        if write:
+            dx.copy_(_torch_grad(z, x, target, lse_, grad_scale.reshape(()).expand(rows), vi, smoothing, z_loss,
+                                 softcap))
+        return loss.copy_(loss_), lse.copy_(lse_)
+    if V == 0:
+        raise ValueError("logits have 0 classes")
+    x2, sx = as_rows(x, V)
+    t = target.contiguous()
+    scale = grad_scale.reshape(1).float() if write else loss  # a placeholder pointer when not writing
+    d2, sd = (dx, dx.stride(0)) if write else (x2, sx)
+
+    split = write and split_ok(x)
+
+    def launch(c):
+        block, warps, kind, pps, stages = c
+        cap = float(softcap) if softcap > 0 else 1.0
+        if kind == "split":
+            S = cdiv(V, block)
+            part = torch.empty((3, rows * S), dtype=torch.float32, device=x.device)
+            cnt = torch.zeros(rows, dtype=torch.int32, device=x.device)
+            _FWD_SPLIT(rows * S, (x2, t, loss, lse, d2, scale, part[0], part[1], part[2], cnt, sx, sd, V,
+                                  ignore_index, float(smoothing), float(z_loss), cap, MAX_SPIN),
+                       {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "BLOCK": block}, warps)
+            return
+        grid = rows if pps == 0 else min(rows, pps * sm_count(x.device))
+        _FWD(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
+                    cap),
+             {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write, "HINTS": write and pps > 0, "BLOCK": block,
+              "STAGES": stages}, warps)
+
+    with device_guard(x):
+        if write and dx.data_ptr() == x2.data_ptr():  # in place: a timing run would read its own output
+            launch(_best("ce_fwd", x, V, write, softcap > 0, split))
+        else:
+            launch(tuned("ce_fwd", x.device, (x.dtype, write, softcap > 0, split, V, row_bucket(rows)),
+                         lambda: _candidates(V, write, split), launch, rows * V))
+    return loss, lse
+
+
+def _best(kernel: str, x: torch.Tensor, V: int, *flags):
+    """The setting chosen earlier by a non-aliasing launch of ``kernel`` for this dtype, flags and V, else the
+    default: an in-place launch cannot be timed (each timing run would read the previous one's output)."""
+    from ._common import tuned_settings
+
+    n = len(flags)
+    for (k, dev, key), v in tuned_settings().items():
+        if k == kernel and dev == x.device.index and key[0] == x.dtype and key[1:1 + n] == flags and V in key:
+            return v
+    return _candidates(V, *flags[:1], *flags[2:3])[0] if kernel == "ce_fwd" else _candidates(V)[0]
+
+
+def ce_bwd(grad_rows: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+           ignore_index: int, smoothing: float, z_loss: float, softcap: float,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gradient of ``sum(grad_rows * loss_rows)`` with respect to ``x`` (rows, V), in ``x``'s dtype.
+
+    ``grad_rows``: (rows,) per-row upstream gradient, any float dtype, any stride (0 for a broadcast scalar).
+    ``lse``: the forward's (rows,) fp32 log-sum-exp. Returns a new contiguous tensor, or ``out`` (contiguous,
+    shaped and typed like ``x``; it may be ``x`` itself when ``x`` is contiguous and private to the caller).
+    """
+    check_inputs(x, target)
+    rows, V = x.shape
+    dx = torch.empty((rows, V), dtype=x.dtype, device=x.device) if out is None else out
+    if dx.numel() == 0:
+        return dx
+    if not use_triton(x):
+        z, _, _, vi = _torch_rows(x, target, ignore_index, smoothing, z_loss, softcap)
+        return dx.copy_(_torch_grad(z, x, target, lse, grad_rows, vi, smoothing, z_loss, softcap))
+    x2, sx = as_rows(x, V)
+    g = grad_rows if grad_rows.dtype == torch.float32 else grad_rows.float()
+    t = target.contiguous()
+
+    def launch(c):
+        _BWD(rows, (x2, t, lse, g, dx, sx, g.stride(0), V, V, ignore_index, float(smoothing), float(z_loss),
+                    float(softcap) if softcap > 0 else 1.0),
+             {"HAS_SOFTCAP": softcap > 0, "BLOCK": c[0]}, c[1])
+
+    with device_guard(x):
+        if dx.data_ptr() == x2.data_ptr():
+            launch(_best("ce_bwd", x, V, softcap > 0))
+        else:
+            launch(tuned("ce_bwd", x.device, (x.dtype, softcap > 0, V, row_bucket(rows)),
+                         lambda: _candidates(V), launch, rows * V))
+    return dx
+
+
+def scale_(dx: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``dx *= g`` in place (``dx`` contiguous and private; ``g`` a one-element tensor), skipped on the GPU
+    when ``g == 1`` without a host-device sync (the kernel reads ``g``). Returns ``dx``."""
+    if dx.numel() == 0:
+        return dx
+    if not use_triton(dx):
+        return dx.mul_(g.reshape(()))
+    gg = g.reshape(1).float()
+    block = 4096
+    with device_guard(dx):
+        _SCALE(min(cdiv(dx.numel(), block), 4 * sm_count(dx.device)), (dx, gg, dx.numel()), {"BLOCK": block}, 8)
+    return dx
