@@ -49,7 +49,9 @@ def loss_grads(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # with the cross_entropy drop-in patched too, a call with labels returns the loss and no logits
+    value = out.logits if out.logits is not None else out.loss
+    return value.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
@@ -95,11 +97,16 @@ def test_all_kernels_on_llama_and_the_report_names_the_swap():
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     report = mk.patch(model)
     assert report.count("rotary") == layers and report.count("rms_norm") == 2 * layers + 1
+    assert report.count("cross_entropy") == 1  # the LM head + loss
     text = str(report)
     assert "swapped  model.layers.0.self_attn: LlamaAttention.forward: apply_rotary_pos_emb -> " \
            "mfuwatch.kernels.apply_rotary (rotary)" in text
     a, ga = loss_grads(model, ids)
-    b, gb = loss_grads(ref, ids)
+    ref.zero_grad(set_to_none=True)
+    out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    b, gb = out.loss.detach(), {n: q.grad.detach().clone() for n, q in ref.named_parameters()}
+    assert a.shape == b.shape == ()
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     for n in gb:
         assert torch.allclose(ga[n], gb[n], rtol=1e-3, atol=1e-5), n
