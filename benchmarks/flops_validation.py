@@ -1,6 +1,6 @@
 """Agent MFU against the truth on one GPU: a Hugging Face Llama (GQA 16/4), a Mixtral-style MoE, a LoRA fine-tune.
 
-    python benchmarks/flops_validation.py            # one GPU, about 2 minutes on an H200
+    python benchmarks/flops_validation.py            # one GPU, about 1.5 minutes on an H200
     python benchmarks/flops_validation.py --tiny --cpu   # the same path on tiny models, CPU (CI runs this)
 
 For each model: truth = FlopCounterMode FLOPs of one real training step of the same
@@ -119,6 +119,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def agent_totals(agent: Agent, steps: int) -> tuple:
+    """``(model FLOPs, step seconds)`` the agent has counted (its monotonic counters) once it has read
+    the events of ``steps`` optimizer steps (it reads them lazily on its own thread; at most 5 s)."""
+    names = ("mfuwatch_model_flops_total", "mfuwatch_step_seconds_total", "mfuwatch_steps_total")
+    deadline = time.perf_counter() + 5.0
+    while True:
+        totals = dict.fromkeys(names, 0.0)
+        for family in agent.registry.collect():
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+        if totals["mfuwatch_steps_total"] >= steps or time.perf_counter() > deadline:
+            return totals[names[0]], totals[names[1]]
+        time.sleep(0.01)
+
+
 def run_case(kind: str, s: Dict[str, Any], device: torch.device, dtype: torch.dtype, peak: Optional[float],
              min_seconds: float) -> Dict[str, Any]:
     inputs = batch(s, device)
@@ -141,10 +157,14 @@ def run_case(kind: str, s: Dict[str, Any], device: torch.device, dtype: torch.dt
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(3):  # warm-up; the agent's count happens here too (first steps)
+        for _ in range(3):  # warm-up; the agent's FLOP count happens in the first steps
             one_step()
         sync(device)
+        # Both clocks cover the same span: the agent's counters from here (its intervals run from one
+        # step boundary to the next, so the short wait for its thread falls inside the first timed
+        # interval, which the wall clock covers too) to the end of the last timed step.
         steps, t0 = 0, time.perf_counter()
+        flops0, seconds0 = agent_totals(agent, 3)
         while steps < s["steps"] or time.perf_counter() - t0 < min_seconds:
             one_step()
             steps += 1
@@ -152,15 +172,21 @@ def run_case(kind: str, s: Dict[str, Any], device: torch.device, dtype: torch.dt
                 tensor_active.append(agent.nvml.latest.tensor_active)
         sync(device)
         wall = (time.perf_counter() - t0) / steps
+        flops1, seconds1 = agent_totals(agent, 3 + steps)
     finally:
         agent.close()
     m = agent.latest
     peak_used = agent.run_info.peak_flops_per_second or peak
     mfu_true = flops_true / wall / peak_used if peak_used else None
+    # agent MFU over the same steps as the truth: its counted model FLOPs over its measured step time
+    # (what the job-MFU recording rule computes from the same counters); the last report alone covers
+    # only a few steps
+    agent_mfu = ((flops1 - flops0) / (seconds1 - seconds0) / peak_used
+                 if peak_used and seconds1 > seconds0 else (m.mfu if m else None))
     return {
         "model": {"llama": "Llama GQA", "moe": "Mixtral-style MoE", "lora": "Llama + LoRA"}[kind],
         "source": agent.run_info.flops_source, "agent_flops": m.model_flops if m else None,
-        "true_flops": flops_true, "agent_mfu": m.mfu if m else None, "true_mfu": mfu_true,
+        "true_flops": flops_true, "agent_mfu": agent_mfu, "true_mfu": mfu_true,
         "tensor_active": (sum(tensor_active[-5:]) / len(tensor_active[-5:])) if tensor_active else None,
         "step_s": wall, "breakdown": agent.flops_breakdown(print_it=False),
     }
@@ -230,7 +256,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     peak = 1e11 if args.cpu else None  # on the GPU the agent's own peak (datasheet table) is the denominator
     s = shapes(args.tiny)
-    min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.cpu else 4.0)
+    min_s = args.min_seconds if args.min_seconds is not None else (0.0 if args.cpu else 8.0)
     rows = [run_case(k, s, device, dtype, peak, min_s) for k in args.cases.split(",") if k]
     dev = "CPU" if args.cpu else torch.cuda.get_device_name(device)
     print(f"## FLOP model validation ({dev}, torch {torch.__version__}, transformers {transformers.__version__})\n")
