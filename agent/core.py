@@ -1,7 +1,7 @@
 """The Agent: hooks into a training loop and turns step boundaries into MFU, HFU and tokens/s.
 
 The training thread does the least: the optimizer's step post-hook records a
-CUDA event and a token count (microseconds, no host-device sync); the forward
+CUDA event and a token count (no host-device sync); the forward
 pre-hook adds the batch's tokens. Everything else — reading the events,
 arithmetic, the exporter, the timeline, alerts, NVML and profiler windows —
 runs on the agent's own threads, and every failure there is caught, counted in

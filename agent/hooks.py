@@ -148,7 +148,7 @@ class TrainingHooks:
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
 
-    # --- fleet (issue 18, issue 16): phases -------------------------------------------------
+    # ------------------------------------------------------------------ phases
     def phase(self, name: str) -> Any:
         """``with agent.phase("eval"):`` / ``"checkpoint"`` / ``"checkpoint_load"``: time that is not training.
 
