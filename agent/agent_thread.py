@@ -56,7 +56,6 @@ class AgentThread:
         with self.errors.guard("timeline"):
             self.timeline.write(record)
 
-    # -------------------------------------------------------------- agent thread
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
             self._tick(final=False)

@@ -67,7 +67,6 @@ class TrainingHooks:
         if optimizer is not None:
             self._handles.append(optimizer.register_step_post_hook(self._post_optimizer_step))
 
-    # ------------------------------------------------------------ training thread
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
             if not torch.is_grad_enabled() or not module.training:
