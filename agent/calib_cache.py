@@ -2,7 +2,7 @@
 
 Calibration (a large matmul timed on the CPU) depends on what else runs: DDP ranks
 that each calibrate at the same moment compete for the cores and get different
-peaks (0.39 vs 0.66 MFU on identical ranks). :func:`shared_value` makes the ranks of
+peaks. :func:`shared_value` makes the ranks of
 one job on one host agree: the first to take the lock file computes the value and
 writes it atomically; the others wait for the file (up to ``timeout`` seconds, then
 compute their own and say so once). No collective call, so a rank that never builds

@@ -83,7 +83,7 @@ class AgentConfig:
     dtype: Optional[str] = None  # training dtype override: one of DTYPES
     calibrate: bool = False  # measure the peak with a large matmul instead of the datasheet table
     nvml: bool = True
-    nvml_interval_seconds: float = 1.0  # 1 Hz: three NVML calls cost ~38 us, i.e. ~0.004% of a second
+    nvml_interval_seconds: float = 1.0  # 1 Hz; the cost of one sample: docs/nvml.md
     profile_every: ProfileEvery = field(default_factory=lambda: ProfileEvery(seconds=300.0))  # a window each 5 min
     profile_warmup_steps: int = 1
     profile_active_steps: int = 3
@@ -92,7 +92,7 @@ class AgentConfig:
     rank: int = 0  # from RANK
     local_rank: int = 0  # from LOCAL_RANK
     world_size: int = 1  # from WORLD_SIZE
-    # --- fleet (issue 18; validated by agent/fleet_config.py) ---
+    # --- fleet (validated by agent/fleet_config.py) ---
     job: str = ""  # `job` label; "" = $MFUWATCH_JOB, Slurm job id, Kubernetes job name, else the run
     hang_watchdog: bool = True  # find stuck steps and record the training thread's stack (never kills)
     hang_factor: float = 5.0  # a step longer than 5x the recent median is stuck: far outside normal jitter

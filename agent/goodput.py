@@ -19,8 +19,8 @@ lands in exactly one bucket of :data:`BUCKETS`:
 ``startup``          agent start to the first forward (model set-up, data loader start)
 ``other``            the tail after the last step, counted at ``close()``
 
-Times are host ``time.perf_counter()`` readings on the training thread (about
-0.1 µs each, no device sync). On a GPU the host can run ahead of the device, so
+Times are host ``time.perf_counter()`` readings on the training thread (no
+device sync). On a GPU the host can run ahead of the device, so
 a boundary-to-forward gap the host spends loading data while the GPU still
 computes counts as input wait; in steady state the host waits on the device
 inside the step and the partition matches device time (``docs/fleet.md``).

@@ -1,7 +1,7 @@
 """The ``job`` label: one value shared by every rank of a training job, found without communication.
 
 Every series the agent exports carries ``job`` beside ``run`` and ``rank``
-(``DESIGN.md``, metrics contract), so that recording rules can aggregate a
+(``docs/architecture.md``, metrics contract), so that recording rules can aggregate a
 whole job (``sum by (job, run) (...)``) in any store the series reach. The
 value comes from, in order:
 

@@ -79,7 +79,7 @@ class M:
     AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
-    # --- fleet (issue 18): aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
+    # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
     MODEL_FLOPS_TOTAL = PREFIX + "model_flops_total"
     HARDWARE_FLOPS_TOTAL = PREFIX + "hardware_flops_total"
     STEP_SECONDS_TOTAL = PREFIX + "step_seconds_total"
@@ -147,7 +147,7 @@ class StepMeasurement:
     how many steps the interval covers. Durations in seconds, FLOPs in FLOP,
     rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown.
 
-    Produced by ``Agent._report`` (agent/core.py) on the agent thread, from the step clock's
+    Produced by ``Agent._report`` (agent/agent_thread.py) on the agent thread, from the step clock's
     intervals (agent/clock.py), the FLOP model and the peak of :mod:`mfuwatch.agent.peaks`.
     """
 

@@ -254,14 +254,3 @@ REGISTRY: Tuple[Remedy, ...] = (
 MIN_CHAIN = 3
 MAX_LAUNCH_GAP_SECONDS = 200e-6
 
-
-def by_kernel(kernel: str) -> Remedy:
-    """The registry entry with id ``kernel``.
-
-    Raises:
-        KeyError: no entry has that id.
-    """
-    for r in REGISTRY:
-        if r.kernel == kernel:
-            return r
-    raise KeyError(f"no remedy {kernel!r}; known: {', '.join(r.kernel for r in REGISTRY)}")

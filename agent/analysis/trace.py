@@ -45,7 +45,7 @@ _EPS_US = 1e-3  # trace timestamps are microseconds with nanosecond digits
 
 #: Deepest JSON nesting accepted. Kineto's events nest 6 levels at most (``args`` → ``Input Dims`` → a
 #: TensorList of shapes); ijson keeps one prefix string per open level, so memory grows with the square
-#: of the depth (200 KB of brackets took 24 GB): deeper files are refused before parsing.
+#: of the depth: deeper files are refused before parsing.
 MAX_JSON_DEPTH = 64
 _SCAN_CHUNK = 1 << 21  # bytes per chunk of the depth scan (its numpy temporaries are ~20x this)
 

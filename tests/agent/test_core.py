@@ -132,7 +132,7 @@ def test_injected_failure_does_not_reach_training_loop(monkeypatch, caplog):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr("mfuwatch.agent.core.count_tokens", boom)
+    monkeypatch.setattr("mfuwatch.agent.hooks.count_tokens", boom)
     monkeypatch.setattr(a.exporter, "observe_steps", boom)
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         for _ in range(4):

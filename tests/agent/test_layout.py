@@ -30,3 +30,51 @@ def test_analysis_and_report_load_neither_torch_nor_the_live_agent(module):
 def test_kernels_import_neither_the_agent_nor_the_alerts():
     mods = _modules_after("import mfuwatch.kernels")
     assert not [m for m in mods if m.startswith(("mfuwatch.agent", "mfuwatch.alerts"))]
+
+
+def _agent_import_graph() -> dict:
+    """``{module: {agent modules it imports}}`` for every module under agent/, lazy imports included."""
+    import ast
+    from pathlib import Path
+
+    import mfuwatch.agent
+
+    root = Path(mfuwatch.agent.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        names[path] = (".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)), parts[:-1]
+    known = {n for n, _ in names.values()}
+    graph = {}
+    for path, (name, pkg) in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = pkg[:len(pkg) - node.level + 1] + (node.module.split(".") if node.module else [])
+                deps |= {".".join(base + [a.name]) for a in node.names} | {".".join(base)}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mfuwatch.agent"):
+                base = node.module.split(".")[2:]
+                deps |= {".".join(base + [a.name]) for a in node.names} | {".".join(base)}
+        graph[name] = {d for d in deps if d in known and d not in (name, "")}
+    return graph
+
+
+def test_agent_modules_import_without_cycles():
+    graph = _agent_import_graph()
+    assert {"core", "lifecycle", "hooks", "agent_thread", "mfu_peak"} <= set(graph)
+    state: dict = {}
+
+    def visit(m, path):
+        if state.get(m) == "done":
+            return
+        assert state.get(m) != "open", "import cycle: " + " -> ".join(path + [m])
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            visit(d, path + [m])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        visit(m, [])
+    # the Agent's parts are imported by core, never the other way round
+    for part in ("lifecycle", "hooks", "agent_thread", "mfu_peak"):
+        assert "core" not in graph[part]

@@ -1,0 +1,154 @@
+"""The agent thread: polls the step clock, sums intervals, reports one measurement per ``report_every_steps``.
+
+A report turns the summed intervals into a :class:`StepMeasurement` (MFU, HFU, tokens/s,
+step time) and hands it to the exporter, the timeline and the alert engine; NVML samples
+and profiler windows arrive here too. Each output has its own guard: a failing one is
+counted under its component (``exporter``, ``timeline``, ``alerts``, ``fleet``) and the
+others go on.
+
+MFU = model FLOPs per step / step time / peak FLOP/s of one GPU for the training dtype
+(PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs (recomputation included).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from .clock import Interval
+from .schema import GpuHealth, StepMeasurement, WindowMeasurement, to_record
+
+log = logging.getLogger("mfuwatch")
+
+
+@dataclass
+class _ReportSums:
+    """Sums over the step-clock intervals since the last report (agent thread only).
+
+    ``seconds``/``timed_*`` leave out the untimed first step (its duration is NaN);
+    ``start`` is ``time.monotonic()`` when the sums began; ``last`` the latest interval.
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    timed_steps: int = 0
+    timed_tokens: int = 0
+    start: float = field(default_factory=time.monotonic)
+    last: Optional[Interval] = None
+
+
+
+class AgentThread:
+    """Mixin of :class:`~mfuwatch.agent.core.Agent`: the agent thread's loop and its outputs.
+
+    Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``,
+    ``_last_gpu_write`` and ``_mfu_warned``; runs until ``_stop`` is set, then reports once more.
+    """
+
+    def _write(self, record: Dict[str, Any]) -> None:
+        """Append one timeline record; a failing disk is counted (``timeline``) and nothing else stops."""
+        with self.errors.guard("timeline"):
+            self.timeline.write(record)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self._tick(final=False)
+        self._tick(final=True)
+
+    def _tick(self, final: bool) -> None:
+        """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
+        broken exporter is counted under its component while steps are still counted and alerts still fed."""
+        if self._run_info_dirty:  # dtype / peak settled after start: a later "run" record supersedes
+            self._run_info_dirty = False
+            self._write(to_record("run", self.run_info))
+        intervals = []
+        with self.errors.guard("clock"):
+            intervals = self.clock.poll()
+        for iv in intervals:
+            with self.errors.guard("agent"):
+                self._absorb(iv)
+                if self._acc.steps >= self.config.report_every_steps:
+                    self._report()  # one measurement per report_every_steps, however many steps one poll finds
+        with self.errors.guard("agent"):
+            acc = self._acc
+            due = acc.steps > 0 and time.monotonic() - acc.start >= 10.0  # slow steps: at least every 10 s
+            if due or (final and acc.steps > 0):
+                self._report()
+
+    def _absorb(self, iv: Interval) -> None:
+        acc = self._acc
+        timed = iv.seconds == iv.seconds  # NaN for the untimed first step
+        acc.steps += iv.steps
+        acc.tokens += iv.tokens
+        if timed:
+            acc.seconds += iv.seconds
+            acc.timed_steps += iv.steps
+            acc.timed_tokens += iv.tokens
+        acc.last = iv
+        with self.errors.guard("exporter"):
+            self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
+        if self.fleet is not None:  # fleet: FLOP and step-time counters, straggler score
+            with self.errors.guard("fleet"):
+                self.fleet.on_interval(iv.steps, iv.seconds, iv.tokens, self.flops_per_step)
+    def _report(self) -> None:
+        acc, self._acc = self._acc, _ReportSums()
+        last: Interval = acc.last
+        loss = last.loss
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.item())  # its step has completed on the device: no wait
+        if acc.timed_steps == 0 or acc.seconds <= 0:
+            return
+        step_time = acc.seconds / acc.timed_steps
+        tokens_per_step = acc.timed_tokens / acc.timed_steps
+        model_f, hw_f = self.flops_per_step(tokens_per_step)
+        if self._peak is None and self._dtype_key is not None and not self._peak_warned:
+            self._choose_mfu_peak()
+        peak = self._peak
+        mfs = model_f / step_time if model_f else 0.0
+        m = StepMeasurement(
+            step=last.last_step, steps=acc.steps, timestamp=last.end_wall, step_time_seconds=step_time,
+            tokens=acc.tokens, tokens_per_second=tokens_per_step / step_time,
+            model_flops=model_f or 0.0, hardware_flops=hw_f or 0.0, model_flops_per_second=mfs,
+            mfu=(mfs / peak) if (peak and model_f) else None,
+            hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,
+            loss=loss if (loss is None or math.isfinite(loss)) else None,
+            tokens_per_step=tokens_per_step,
+        )
+        if m.mfu is not None and m.mfu > 1.0 and not self._mfu_warned:
+            self._mfu_warned = True
+            log.warning("mfuwatch: MFU %.0f%% is above 100%%: the peak (%.3g FLOP/s, %s) is too low for this "
+                        "device — a calibration taken while the machine was busy, or the wrong dtype; pass "
+                        "peak_flops=<FLOP/s> for a trustworthy MFU", m.mfu * 100, peak, self.run_info.peak_source)
+        self.latest = m
+        with self.errors.guard("exporter"):
+            self.exporter.collector.update(step=m)
+        self._write(to_record("step", m))
+        if self.alerts is not None:
+            with self.errors.guard("alerts"):
+                self.alerts.observe_step(m)
+
+    def _on_gpu_sample(self, sample: GpuHealth) -> None:
+        with self.errors.guard("exporter"):
+            self.exporter.collector.update(gpu=sample)
+        if self.alerts is not None:
+            with self.errors.guard("alerts"):
+                self.alerts.observe_gpu(sample)
+        if sample.timestamp - self._last_gpu_write >= 10.0:
+            self._last_gpu_write = sample.timestamp
+            self._write(to_record("gpu", sample))
+
+    def _on_window(self, window: WindowMeasurement) -> None:
+        self.latest_window = window
+        with self.errors.guard("exporter"):
+            self.exporter.collector.update(window=window)
+        self._write(to_record("window", window))
+        if self.alerts is not None:
+            with self.errors.guard("alerts"):
+                self.alerts.observe_window(window)
+

@@ -1,0 +1,235 @@
+"""Start-up and shut-down of an agent's components, in their order.
+
+Start: exporter HTTP server, OTLP bridge, file_sd target, timeline, step clock, fleet
+accounting, NVML (first: its PCI id identifies the GPU for the peak table), the peak,
+alerts, profiler, hooks, then the agent thread. A start-up that raises is undone by
+``_abort_start`` (hooks, threads, port, files) before the exception leaves ``Agent()``.
+Close runs the same parts in reverse dependency order; every failure there is counted
+(``close`` and the part's own component) and closing goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .agent_thread import _ReportSums
+from .clock import StepClock
+from .config import ConfigError
+from .fleet import FleetAccounting
+from .schema import to_record
+from .timeline import Timeline
+
+log = logging.getLogger("mfuwatch")
+
+
+class Lifecycle:
+    """Mixin of :class:`~mfuwatch.agent.core.Agent`: starts and closes its components.
+
+    Sets ``exporter_url``, ``otlp``, ``_sd_target``, ``timeline``, ``clock``, ``fleet``,
+    ``nvml``, ``alerts``, ``profiler``, ``_acc`` and ``_thread``; ``close()`` is idempotent.
+    """
+
+    def _start(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Everything after the exporter object exists; on any exception ``__init__`` undoes it."""
+        cfg = self.config
+        self.errors.listeners.append(self.exporter.count_error)
+        self.exporter.on_error = self.errors.count  # a collector failing at scrape time is counted, once logged
+        self.exporter_url = ""
+        if cfg.exporter:
+            try:
+                self.exporter_url = self.exporter.serve(cfg.exporter_port, cfg.bind, cfg.tls_certfile,
+                                                        cfg.tls_keyfile)
+                self.run_info.exporter_url = self.exporter_url
+            except OSError as exc:
+                self.errors.count("exporter", exc)
+        if cfg.otlp_endpoint:
+            try:
+                from .otlp import OtlpBridge
+
+                self.otlp = OtlpBridge(self.exporter.exposed_registry, endpoint=cfg.otlp_endpoint)
+            except ImportError as exc:
+                log.warning("mfuwatch: %s; OTLP export is off", exc)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.count("otlp", exc)
+        if cfg.file_sd_dir and self.exporter_url:
+            from .distributed import register_agent
+
+            self._sd_target = register_agent(self, cfg.file_sd_dir)  # counts its own failures
+        try:
+            self.timeline = Timeline(cfg.timeline)
+        except OSError as exc:  # e.g. the timeline's directory is not writable
+            raise ConfigError(f"timeline: cannot open {cfg.timeline!r} for appending ({type(exc).__name__}: "
+                              f"{exc.strerror or exc}); expected a writable file path or null") from None
+        self.clock = StepClock(self.device)
+        try:
+            self.fleet = FleetAccounting(self)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("fleet", exc)
+
+        self._start_nvml()  # first: its PCI device id identifies the GPU in the peak table
+        # peak FLOP/s (may wait for the dtype, known at the first forward under autocast)
+        self._resolve_gpu_peaks()
+        self._choose_mfu_peak()
+        self._start_alerts()
+        self._start_profiler()
+
+        self._install_hooks(model, optimizer)
+        self._write(to_record("run", self.run_info))
+        if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
+            self._write(self.fleet.attempt_record())
+        self._run_info_dirty = False
+        self._acc = _ReportSums()
+        self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
+        self._thread.start()
+        _live_agents.add(self)
+        if self.exporter_url:
+            log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)
+
+    def _abort_start(self) -> None:
+        """Undo a start-up that raised: remove hooks, stop threads and the HTTP server. Never raises."""
+        self._closed = True
+        for h in self._handles:
+            with self.errors.guard("close"):
+                h.remove()
+        self._handles.clear()
+        self._stop.set()
+        for part in ("profiler", "nvml", "alerts"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                with self.errors.guard("close"):
+                    obj.close()
+        with self.errors.guard("close"):
+            self.exporter.close()
+        if self._sd_target is not None:
+            with self.errors.guard("close"):
+                self._sd_target.remove()
+        for part in ("fleet", "otlp"):
+            obj = getattr(self, part, None)
+            if obj is not None:
+                with self.errors.guard("close"):
+                    obj.close()
+        with self.errors.guard("close"):
+            self.timeline.close()
+        _live_agents.discard(self)
+
+    def _start_nvml(self) -> None:
+        if not self.config.nvml or self.device.type != "cuda":
+            return
+        try:
+            from .nvml import NvmlSampler
+
+            self.nvml = NvmlSampler(torch_device=self.device, interval_seconds=self.config.nvml_interval_seconds,
+                                    on_sample=self._on_gpu_sample, on_error=self.errors.count)
+            self.nvml.start()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("nvml", exc)
+            self.nvml = None
+
+    def _start_alerts(self) -> None:
+        if self.config.alerts is False:
+            return
+        try:
+            from mfuwatch.alerts import AlertEngine
+
+            alerts_cfg = None if self.config.alerts in (None, True) else self.config.alerts
+            self.alerts = AlertEngine.from_config(alerts_cfg, run_info=self.run_info, registry=self.registry,
+                                                  on_event=self._write, on_error=self.errors.count)
+            self.alerts.start()
+        except (ValueError, TypeError) as exc:
+            if type(exc).__name__ == "AlertConfigError":
+                # bad alert configuration fails fast, like any other config error (one exception type to catch)
+                raise ConfigError(f"alerts: {exc}") from None
+            self.errors.count("alerts", exc)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("alerts", exc)
+            self.alerts = None
+
+    def _start_profiler(self) -> None:
+        pe = self.config.profile_every
+        if not pe.enabled:
+            return
+        try:
+            from .profiler import ProfilerSampler
+
+            self.profiler = ProfilerSampler(
+                every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,
+                active_steps=self.config.profile_active_steps, device=self.device, peaks=self.gpu_peaks,
+                top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
+                shared_key=(f"window|{self.config.run}|{socket.gethostname()}"
+                            if self.config.world_size > 1 and self.device.type == "cpu" else None),
+                on_outcome=self.exporter.count_window,  # ok, error, skipped_other_profiler, too_large
+            )
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("profiler", exc)
+            self.profiler = None
+
+    # ------------------------------------------------------------------ closing
+    def close(self, timeout: float = 1.0) -> None:
+        """Remove the hooks, flush the last measurement, stop threads and the server. Idempotent.
+
+        Args:
+            timeout: seconds a profiler-window analysis still running may take to deliver its window
+                (its result is dropped after that). The default keeps ``close()`` short at the end of a
+                job; the demo passes a longer one so a short run still shows its last window.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            with self.errors.guard("close"):
+                h.remove()
+        self._handles.clear()
+        self.flop_model.close()
+        if self.device.type == "cuda":
+            # let the last boundaries complete so the final interval is reported (close() is off the hot path)
+            with self.errors.guard("close"):
+                torch.cuda.synchronize(self.device)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self.profiler is not None:
+            with self.errors.guard("close"):
+                self.profiler.close(wait_seconds=timeout)
+        if self.nvml is not None:
+            with self.errors.guard("close"):
+                self.nvml.close()
+        if self.alerts is not None:
+            with self.errors.guard("close"):
+                self.alerts.evaluate()  # once more: the last report and window arrived during close
+                self.alerts.close()
+        with self.errors.guard("close"):
+            self.exporter.close()
+        if self._sd_target is not None:
+            with self.errors.guard("close"):
+                self._sd_target.remove()
+        if self.fleet is not None:
+            with self.errors.guard("fleet"):
+                self.fleet.close()  # fleet: watchdog thread, checkpoint hooks, the goodput tail
+        if self.otlp is not None:
+            with self.errors.guard("otlp"):
+                self.otlp.close()
+        with self.errors.guard("timeline"):
+            self.timeline.close()
+        _live_agents.discard(self)
+
+
+_live_agents: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    for a in list(_live_agents):
+        try:
+            a.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+atexit.register(_close_all_at_exit)
