@@ -279,6 +279,31 @@ def _output(name: str, args: list, tensors: list, concrete: list, list_bytes: in
     return None, None
 
 
+#: position of the two matrix operands in each dense matmul op's arguments
+_DENSE_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
+                   "aten::_scaled_mm": (0, 1)}
+
+
+def _dense_matmul_flops(name: str, args: list) -> Optional[float]:
+    """``2·M·K·N`` (times the batch for ``bmm``/``baddbmm``) from the recorded operand shapes.
+
+    The same count as ``torch.utils.flop_counter`` (one multiply and one add per term), written
+    here so ``mfuwatch analyze`` of a transformer trace needs no torch import (its import alone
+    costs about 380 MB). Returns None for other ops or shapes that do not fit (the caller falls
+    back to torch's formula).
+    """
+    pos = _DENSE_OPERANDS.get(name)
+    if pos is None or len(args) <= max(pos):
+        return None
+    a, b = args[pos[0]], args[pos[1]]
+    if not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))) or len(a) != len(b) or len(a) not in (2, 3):
+        return None
+    if not all(isinstance(d, int) for d in (*a, *b)) or a[-1] != b[-2]:
+        return None
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+
 def _flops(name: str, args: list, out_shape: Optional[Tuple[int, ...]]) -> Optional[float]:
     """torch's FLOP formula for ``name`` on these shapes, or None when torch has none (or it fails)."""
     if name not in MATMUL_OPS:
@@ -288,7 +313,10 @@ def _flops(name: str, args: list, out_shape: Optional[Tuple[int, ...]]) -> Optio
         from mfuwatch.agent.op_flops import trace_op_flops
 
         return trace_op_flops(name, args, out_shape)
-    table, fc = _torch_formulas()
+    dense = _dense_matmul_flops(name, args)
+    if dense is not None:
+        return dense
+    table, fc = _torch_formulas()  # convolutions: torch's formulas (imports torch on the first one)
     if fc is None:
         return None
     try:
