@@ -433,9 +433,13 @@ class FlopModel:
             model, hw = split_model_hardware(executed, forward)
             self.model_flops_per_token = model / tokens
             self.hw_flops_per_token = hw / tokens
+        elif not tokens:  # the FLOPs are fine: the forward carried no tensor the token rule reads
+            log.warning("mfuwatch: the counted step saw 0 training tokens (no input_ids, inputs_embeds or tensor "
+                        "argument in a forward with grad enabled and model.train()): MFU is not reported; pass "
+                        "tokens_per_step=... or agent.step(tokens=...)")
         else:
-            log.warning("mfuwatch: FlopCounterMode counted %d FLOPs over %d tokens; MFU is not reported "
-                        "(pass flops_per_step=...)", executed, tokens or 0)
+            log.warning("mfuwatch: FlopCounterMode counted 0 FLOPs over %d tokens (the model's ops have no FLOP "
+                        "formula): MFU is not reported (pass flops_per_step=...)", tokens)
 
     def _give_up(self, exc: BaseException) -> None:
         fc, self.counter = self.counter, None

@@ -40,3 +40,35 @@ def test_dict_batch_with_input_ids_is_counted():
 
     assert count_tokens((UserDict(input_ids=ids),), {}) == (21, 7)
     assert count_tokens((), {"input_ids": ids}) == (21, 7)
+
+
+def test_zero_tokens_are_blamed_on_the_tokens_not_the_flops(caplog):
+    """A batch object the token rule cannot read: the warning names the tokens and how to give them."""
+    import logging
+
+    from mfuwatch.agent import Agent
+
+    class Batch:
+        def __init__(self, x):
+            self.x = x
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, batch):
+            return self.lin(batch.x)
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
+        agent = Agent(model, opt, exporter=False, alerts=False, profile_every="off", nvml=False, peak_flops=1e11)
+        for _ in range(3):
+            model(Batch(torch.randn(4, 8))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        agent.close()
+    text = caplog.text
+    assert "0 training tokens" in text and "tokens_per_step" in text
+    assert "counted 0 FLOPs" not in text
