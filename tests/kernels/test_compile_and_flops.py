@@ -102,7 +102,9 @@ def test_compiled_patched_llama_has_no_custom_op_and_matches_eager():
                                    num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(DEVICE)
-    report = mk.patch(model)
+    # the ops Inductor fuses itself; linear_cross_entropy stays a custom op under compile by design
+    # (its point is memory), so it is left out here
+    report = mk.patch(model, kernels=["rms_norm", "swiglu", "rotary"])
     assert {s.kernel for s in report.swapped} == {"rms_norm", "swiglu", "rotary"}, str(report)
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
