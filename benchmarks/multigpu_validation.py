@@ -114,8 +114,9 @@ def build_llama(ctx: Ctx, attn: str = "sdpa") -> torch.nn.Module:
     return model.to(ctx.dtype)
 
 
-def batch(ctx: Ctx, b: int, seed: int = 0) -> Dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * ctx.rank + seed)
+def batch(ctx: Ctx, b: int, seed: int = 0, data_rank: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Token ids (b, seq) for this rank (``data_rank``: the ranks of one TP group must get the same batch)."""
+    g = torch.Generator().manual_seed(1000 * (ctx.rank if data_rank is None else data_rank) + seed)
     ids = torch.randint(0, ctx.s["vocab"], (b, ctx.s["seq"]), generator=g).to(ctx.device)
     return {"input_ids": ids, "labels": ids}
 
@@ -154,12 +155,26 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Dict[
     return loss.detach()
 
 
-def truth_flops(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> int:
-    """FlopCounterMode FLOPs of one forward + backward of this rank's model on its own batch (no optimizer)."""
+TP_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the TP plan of wrap()
+
+
+def truth_flops(model: torch.nn.Module, inputs: Dict[str, torch.Tensor], tp: int = 1) -> int:
+    """FlopCounterMode FLOPs of one forward + backward of this rank's model on its own batch (no optimizer).
+
+    With tensor parallelism FlopCounterMode sees the DTensor matmuls of the sharded projections at their global
+    shapes (it dispatches before DTensor splits them) and the attention on the local heads; a rank computes 1/tp
+    of each sharded projection (even Colwise/Rowwise shards), so those modules' counts are divided by ``tp``.
+    """
     with FlopCounterMode(display=False, custom_mapping=op_flops.flop_counter_mapping()) as fc:
         model(**inputs).loss.backward()
     model.zero_grad(set_to_none=True)
-    return int(fc.get_total_flops())
+    total = int(fc.get_total_flops())
+    if tp > 1:  # each sharded projection: 2 (forward) + 2 (input grad) + 2 (weight grad) FLOPs per weight and token
+        tokens = int(inputs["input_ids"].numel())
+        sharded = sum(6 * tokens * m.in_features * m.out_features for name, m in model.named_modules()
+                      if name.split(".")[-1] in TP_LINEARS and isinstance(m, torch.nn.Linear))
+        total -= sharded - sharded // tp
+    return total
 
 
 def gather(obj: Any) -> List[Any]:
@@ -197,9 +212,11 @@ def emit(ctx: Ctx, part: str, text: str, data: Any) -> None:
         (Path(out) / f"multigpu_{part}.json").write_text(json.dumps(data, indent=2, default=str))
 
 
-def timeline_mfu(path: Path, after_step: int, peak: float) -> Optional[float]:
-    """Agent MFU over the step records after ``after_step``: sum of model FLOPs / sum of step time / peak."""
-    recs = [r for r in read_timeline(path) if r.get("kind") == "step" and r["step"] - r["steps"] >= after_step]
+def timeline_mfu(path: Path, after_step: int, upto_step: int, peak: float) -> Optional[float]:
+    """Agent MFU over the step records of steps ``after_step + 1 .. upto_step``: sum of model FLOPs / sum of step
+    time / peak (records reaching into the profiler window are left out: profiling slows its steps)."""
+    recs = [r for r in read_timeline(path) if r.get("kind") == "step" and r["step"] - r["steps"] >= after_step
+            and r["step"] <= upto_step]
     flops = sum(r["model_flops"] * r["steps"] for r in recs)
     secs = sum(r["step_time_seconds"] * r["steps"] for r in recs)
     return flops / secs / peak if secs > 0 and peak else None
@@ -214,12 +231,13 @@ def part_mfu(ctx: Ctx) -> bool:
     ok = True
     warm, n = (3, 10) if ctx.tiny else (3, 20)
     for scheme in schemes:
-        b = ctx.s["batch"] + ctx.rank
-        inputs = batch(ctx, b)
+        data_rank = ctx.rank // 2 if scheme == "fsdp_tp" else ctx.rank  # TP peers share a batch
+        b = ctx.s["batch"] + data_rank
+        inputs = batch(ctx, b, data_rank=data_rank)
         row: Dict[str, Any] = {"scheme": scheme, "rank": ctx.rank, "batch": f"{b}x{ctx.s['seq']}"}
         try:
             ref = wrap(ctx, build_llama(ctx, "eager"), scheme)  # truth: eager attention, plain matmuls
-            row["truth_flops"] = truth_flops(ref, inputs)
+            row["truth_flops"] = truth_flops(ref, inputs, tp=2 if scheme == "fsdp_tp" else 1)
             del ref
             model = wrap(ctx, build_llama(ctx), scheme)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -251,7 +269,7 @@ def part_mfu(ctx: Ctx) -> bool:
                        step_ms=wall * 1e3)
             row["flops_ratio"] = row["agent_flops"] / row["truth_flops"] if row["agent_flops"] else None
             row["truth_mfu"] = row["truth_flops"] / wall / peak if peak else None
-            row["agent_mfu"] = timeline_mfu(tl, warm, peak)
+            row["agent_mfu"] = timeline_mfu(tl, warm, warm + n, peak)
             row["mfu_ratio"] = (row["agent_mfu"] / row["truth_mfu"]) if row["agent_mfu"] and row["truth_mfu"] else None
             w = agent.latest_window
             if w is not None:
@@ -259,6 +277,7 @@ def part_mfu(ctx: Ctx) -> bool:
                 row["comm_ops"] = ", ".join(sorted({o.op for o in w.top_ops if o.bound == "communication"})) or "-"
             del model, opt
         except Exception as exc:  # noqa: BLE001 - a scheme the backend or torch does not support: say so
+            print(f"[rank {ctx.rank}] {scheme}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
         rows.append(row)
     allrows = [r for rank_rows in gather(rows) for r in rank_rows]
