@@ -375,6 +375,12 @@ def part_straggler(ctx: Ctx) -> bool:
         score_fast = agent.fleet.straggler.score() if agent.fleet else None
         gp0 = agent.fleet.goodput.snapshot() if agent.fleet else {}
         ctx.sync()
+        stop = threading.Event()
+        watcher = None
+        if prom is not None:  # rank 0 asks Prometheus while the job runs (its windows need live counters)
+            watcher = threading.Thread(target=watch_prometheus, args=(prom, job, slow_seconds, stop, firing),
+                                       daemon=True)
+            watcher.start()
         t0, steps, slow_times = time.perf_counter(), 0, []
         while True:
             t = time.perf_counter()
@@ -388,6 +394,7 @@ def part_straggler(ctx: Ctx) -> bool:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 if flag.item() > 0:
                     break
+        stop.set()
         time.sleep(1.0)  # the agent thread reports the last steps
         score_slow = agent.fleet.straggler.score() if agent.fleet else None
         gp1 = agent.fleet.goodput.snapshot() if agent.fleet else {}
@@ -396,20 +403,9 @@ def part_straggler(ctx: Ctx) -> bool:
                "step_ms_fast": 1e3 * statistics.median(times[2:]),
                "step_ms_slow": 1e3 * statistics.median(slow_times), "score_fast": score_fast, "score_slow": score_slow,
                "input_wait_share": d.get("input_wait", 0.0) / max(1e-9, sum(d.values())), "steps_slow": steps}
-        if prom is not None:
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:  # rank 0 waits for the alert while the others wait at gather
-                firing = {a["metric"].get("rank"): a["value"][1] for a in prom.query(
-                    'ALERTS{alertname="StragglerRankChronic",alertstate="firing"}')}
-                if firing:
-                    break
-                time.sleep(1.0)
-            firing["ratio_by_rank"] = {r["metric"].get("rank"): float(r["value"][1]) for r in prom.query(
-                f'rank:mfuwatch_step_time_vs_fastest:ratio{{job="{job}"}}')}
-            firing["input_wait_by_rank"] = {r["metric"].get("rank"): float(r["value"][1]) for r in prom.query(
-                f'sum by (rank) (rate(mfuwatch_goodput_seconds_total{{job="{job}",bucket="input_wait"}}[10s])) / '
-                f'sum by (rank) (rate(mfuwatch_goodput_seconds_total{{job="{job}"}}[10s]))')}
-            firing["targets"] = len(prom.query(f'up{{job="{job}"}} == 1')) or len(prom.query("up == 1"))
+        stop.set()
+        if watcher is not None:
+            watcher.join(10)
     finally:
         agent.close()
         if prom is not None:
@@ -426,7 +422,7 @@ def part_straggler(ctx: Ctx) -> bool:
              f"Largest input-wait share: rank {most_wait['rank']}.")
     if ctx.rank == 0:
         if prom_bin:
-            alerted = sorted(k for k in firing if k not in ("ratio_by_rank", "input_wait_by_rank", "targets"))
+            alerted = firing.get("alerted", [])
             text += (f"\n\nPrometheus ({firing.get('targets')} targets up; 10 s windows, for 5 s): StragglerRankChronic "
                      f"firing for ranks {alerted or 'none'}; rank:mfuwatch_step_time_vs_fastest:ratio "
                      f"{ {k: round(v, 3) for k, v in firing['ratio_by_rank'].items()} }; input-wait share over 10 s "
@@ -434,7 +430,35 @@ def part_straggler(ctx: Ctx) -> bool:
         else:
             text += "\n\nPrometheus: not run (no `prometheus` on the PATH, or --no-prometheus)."
     emit(ctx, "straggler", text, {"rows": rows, "prometheus": firing})
-    return bool(lowest) and lowest["rank"] == slow_rank
+    named_by_score = bool(lowest) and lowest["rank"] == slow_rank and lowest["score_slow"] < min(
+        r["score_slow"] for r in rows if r["rank"] != slow_rank) - 0.05
+    if ctx.rank == 0:
+        print(f"straggler named by the in-process score: {'yes' if named_by_score else 'NO'}; by the input-wait "
+              f"share: {'yes' if most_wait['rank'] == slow_rank else 'NO'}", flush=True)
+    return most_wait["rank"] == slow_rank
+
+
+def watch_prometheus(prom: Prometheus, job: str, seconds: float, stop: threading.Event, out: Dict[str, Any]) -> None:
+    """Rank 0's thread: from 15 s into the slow phase (10 s window + 5 s ``for``) until ``stop``, keep the latest
+    firing ``StragglerRankChronic`` ranks, the recorded step-time ratios and the input-wait shares per rank."""
+    t0 = time.monotonic()
+    out.update(alerted=[], ratio_by_rank={}, input_wait_by_rank={}, targets=0)
+    while not stop.wait(1.0):
+        if time.monotonic() - t0 < min(15.0, 0.6 * seconds):
+            continue
+        out["targets"] = sum(1 for r in prom.query('up{job="mfuwatch"}') if r["value"][1] == "1")
+        alerted = sorted(a["metric"].get("rank") for a in prom.query(
+            f'ALERTS{{alertname="StragglerRankChronic",alertstate="firing",job="{job}"}}'))
+        out["alerted"] = sorted(set(out["alerted"]) | set(alerted))
+        ratio = {r["metric"].get("rank"): float(r["value"][1]) for r in prom.query(
+            f'rank:mfuwatch_step_time_vs_fastest:ratio{{job="{job}"}}')}
+        wait = {r["metric"].get("rank"): float(r["value"][1]) for r in prom.query(
+            f'sum by (rank) (rate(mfuwatch_goodput_seconds_total{{job="{job}",bucket="input_wait"}}[10s])) / '
+            f'sum by (rank) (rate(mfuwatch_goodput_seconds_total{{job="{job}"}}[10s]))')}
+        if ratio:
+            out["ratio_by_rank"] = ratio
+        if wait:
+            out["input_wait_by_rank"] = wait
 
 
 # ----------------------------------------------------------------------------------------------- part 3: hang
