@@ -35,6 +35,9 @@ from __future__ import annotations
 import os
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+# the NCCL flight recorder: the hang watchdog reads the last collective from it (NCCL collectives return at once,
+# so a waiting rank's Python stack is at the next host sync, not inside the collective)
+os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -479,6 +482,8 @@ def part_hang(ctx: Ctx) -> bool:
                 steps_at_hang = agent._step
                 time.sleep(floor * 2.5 + 2)  # stops before the collective below; the others wait in it
             dist.all_reduce(loss)  # the loss averaged for logging: a collective outside the model
+            if ctx.cuda:
+                loss.item()  # the logging sync (host-device): where a NCCL rank waits for the collective
             if i == 9:
                 steps_at_hang = agent._step
         ctx.sync()
@@ -486,17 +491,19 @@ def part_hang(ctx: Ctx) -> bool:
         agent.close()
     hangs = [r for r in read_timeline(tl) if r.get("kind") == "hang"]
     h = hangs[0] if hangs else None
-    in_coll = bool(h) and any("distributed_c10d" in f and ("all_reduce" in f or "wrapper" in f) for f in h["stack"][-3:])
+    in_coll = bool(h) and (any("distributed_c10d" in f and ("all_reduce" in f or "wrapper" in f) for f in h["stack"][-3:])
+                           or bool(h.get("last_collective")) and "completed" not in h["last_collective"])
     row = {"rank": ctx.rank, "stopped": ctx.rank == hang_rank, "steps_done": steps_at_hang,
            "hang_reports": len(hangs), "elapsed_s": h["elapsed_seconds"] if h else None,
            "threshold_s": h["threshold_seconds"] if h else None, "waits_in_collective": in_coll,
-           "where": (h["where"].split("/")[-1] if h else None), "resolved": any(
+           "where": (h["where"].split("/")[-1] if h else None), "last_collective": h.get("last_collective") if h else None,
+           "resolved": any(
                r.get("kind") == "hang_resolved" for r in read_timeline(tl))}
     rows = gather(row)
     named = [r["rank"] for r in rows if r["hang_reports"] and not r["waits_in_collective"]]
     ok = named == [hang_rank] and all(r["waits_in_collective"] for r in rows if r["rank"] != hang_rank)
     text = table(rows, ["rank", "stopped", "steps_done", "hang_reports", "elapsed_s", "threshold_s",
-                        "waits_in_collective", "where", "resolved"])
+                        "waits_in_collective", "where", "last_collective", "resolved"])
     text += (f"\n\nThe rank whose watchdog report is not inside a collective: {named or 'none'} (stopped: {hang_rank}). "
              f"Steps done at the hang, per rank: {[r['steps_done'] for r in rows]} (a synchronous job keeps every rank "
              "at the same step, so `steps behind the leader` is 0 everywhere).")
