@@ -37,7 +37,8 @@ import os
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 # the NCCL flight recorder: the hang watchdog reads the last collective from it (NCCL collectives return at once,
 # so a waiting rank's Python stack is at the next host sync, not inside the collective)
-os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+if "TORCH_FR_BUFFER_SIZE" not in os.environ:  # torch >= 2.13's name; torch 2.11 reads the older one
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
