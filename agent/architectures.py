@@ -274,6 +274,25 @@ def _is_dtensor(p: Any) -> bool:
     return type(p).__name__ == "DTensor"
 
 
+def _tp_divides(p: Any, tp_named: bool) -> bool:
+    """Whether a DTensor parameter's FLOPs are split over the TP ranks.
+
+    ``tp_named``: some parameter of the model lives on a mesh with a dimension named "tp". Then only a
+    parameter sharded (``Shard``) on that dimension is split: FSDP2 + TP also makes the embedding and a
+    replicated head DTensors, on the data-parallel submesh alone, and each TP rank runs those in full.
+    Without a "tp"-named mesh (``tensor_parallel_size`` given): every DTensor parameter.
+    """
+    mesh = getattr(p, "device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not tp_named:
+        return True
+    if "tp" not in names:
+        return False
+    placements = tuple(getattr(p, "placements", ()) or ())
+    i = names.index("tp")
+    return i < len(placements) and type(placements[i]).__name__ in ("Shard", "_StridedShard")
+
+
 def tp_size_from_params(model: nn.Module) -> int:
     """Tensor-parallel degree from DTensor parameters whose mesh has a dimension named "tp" (1 if none)."""
     for p in model.parameters():
@@ -375,6 +394,7 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
     if any(type(p).__name__ == "FlatParameter" or getattr(p, "_is_flat_param", False) for p in model.parameters()):
         raise UnknownArchitecture("FSDP (1) flat parameters: the weights' shapes are gone (read the model before "
                                   "wrapping it, as the framework integrations do)")
+    tp_named = tp_size_from_params(model) > 1  # a DeviceMesh dimension named "tp" holds some parameter
     tp = tp_size_from_params(model) if tp is None else int(tp)
     if tp < 1 or cp < 1:
         raise ValueError(f"tp and cp must be >= 1, got tp={tp} cp={cp}")
@@ -433,7 +453,7 @@ def from_model(model: nn.Module, *, causal: bool = False, tp: Optional[int] = No
                 continue
             full = f"{path}.{pname}" if path else pname
             n = float(p.numel())
-            if _is_dtensor(p) and tp > 1:
+            if _is_dtensor(p) and tp > 1 and _tp_divides(p, tp_named):
                 n /= tp
             runs_on, input_grad = "target", before
             if in_experts:

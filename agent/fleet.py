@@ -115,6 +115,9 @@ class FleetAccounting:
         self.run, self.rank = agent.run_info.run, str(agent.run_info.rank)
         self._base = (self.run, self.rank)
         self._train_thread: Optional[int] = None
+        # the thread that builds the agent stands for the training thread until a forward or step names it:
+        # a restart loads its checkpoint (torch.distributed.checkpoint.load, torch.load) before the first step
+        self._init_thread = threading.get_ident()
         self._in_step = False
         self._closed = False
         self.current_hang: Optional[HangReport] = None
@@ -266,7 +269,9 @@ class FleetAccounting:
     # checkpoint_hooks listener protocol
     def owns_thread(self, thread_id: int) -> bool:
         """Whether ``thread_id`` is this agent's training thread (known from its first step or forward)."""
-        return not self._closed and self._train_thread == thread_id
+        if self._closed:
+            return False
+        return self._train_thread == thread_id if self._train_thread is not None else self._init_thread == thread_id
 
     def checkpoint_enter(self, kind: str, source: str) -> None:
         """A hooked checkpoint call (``source``, e.g. ``"torch.save"``) begins on the training thread."""

@@ -59,12 +59,13 @@ def thread_stack(thread_id: int, limit: int = 30) -> List[str]:
 def last_nccl_collective() -> Optional[str]:
     """The last entry of torch's NCCL flight recorder, or ``None`` when it is off or unavailable.
 
-    The recorder is on when ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0 and a NCCL process
+    The recorder is on when ``TORCH_FR_BUFFER_SIZE`` (torch >= 2.13) or ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0 and a NCCL process
     group exists; its dump (``torch._C._distributed_c10d._dump_nccl_trace``, a pickled
     dict with an ``entries`` list) is read only when a hang is found.
     """
-    try:
-        if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+    try:  # torch >= 2.13 names it TORCH_FR_BUFFER_SIZE (the old name still works there, with a warning)
+        size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "0"
+        if int(size) <= 0:
             return None
     except ValueError:
         return None

@@ -31,7 +31,7 @@ def _worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        for mode in ("fsdp2", "tp"):  # one pair of processes for both: imports dominate the time
+        for mode in ("fsdp2", "tp", "fsdp2_tp"):  # one pair of processes for both: imports dominate the time
             _check(rank, mode)
         out[rank] = 1
     finally:
@@ -60,6 +60,24 @@ def _check(rank, mode):
         assert total == ref_total  # global sizes: sharding for memory changes no one's FLOPs
         x = torch.randint(0, 64, (B, T))
         m(input_ids=x, labels=x).loss.backward()  # the sharded model really trains here
+    elif mode == "fsdp2_tp":
+        # FSDP2 over a (dp=1, tp=2) mesh around TP'd MLPs: every parameter is a DTensor, but only the MLP's are
+        # sharded on "tp"; the head and the attention projections live on the dp submesh and run whole on each rank
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        for layer in m.model.layers:
+            parallelize_module(layer.mlp, mesh["tp"], {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                                       "down_proj": RowwiseParallel()})
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(m, mesh=mesh["dp"])
+        assert type(m.lm_head.weight).__name__ == "DTensor"
+        total, comps = _components(A.from_model(m))
+        assert comps["mlp"] == ref["mlp"] / 2
+        assert comps["attention projections"] == ref["attention projections"]
+        assert comps["head"] == ref["head"]  # before the fix: divided by 2 like every DTensor
     else:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -213,3 +213,17 @@ def test_only_the_timelines_tail_is_read_at_start(tmp_path):
     assert recs[-2:] == [{"kind": "attempt"}, {"kind": "step", "step": 5, "steps": 5, "step_time_seconds": 2.0}]
     assert len(recs) < 10
     assert steps_to_redo(recs)["steps"] == 5 and steps_to_redo(recs)["seconds"] == 10.0
+
+
+def test_a_checkpoint_before_the_first_step_counts_as_checkpoint_time(tmp_path):
+    """A restart saves or loads before its first step: the hooks must count it (the training thread is not
+    known from a forward yet; the thread that built the agent stands for it)."""
+    model, opt, agent, clock = _agent(tmp_path, run="gp-first")
+    clock.t += 1.0  # set-up before the checkpoint: start-up
+    torch.save({"weights": SlowToPickle(clock, 2.5)}, tmp_path / "ckpt.pt")  # 2.5 s inside the hooked save
+    clock.t += 0.5
+    _step(model, opt, clock, compute=1.0)
+    agent.close()
+    b = _buckets(agent, "gp-first")
+    assert b["checkpoint_save"] == 2.5
+    assert b["startup"] == 1.5  # 1.0 before the save + 0.5 after it, up to the first forward
