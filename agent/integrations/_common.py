@@ -66,28 +66,27 @@ def tokens_in_batch(batch: Any) -> int:
     return int(n)
 
 
+def _call_phase(agent: Any, method: str, name: str) -> None:
+    """``agent.<method>(name)`` if the agent has it; a failure is counted (``integration``), never raised."""
+    fn = getattr(agent, method, None)
+    if fn is None:
+        return
+    try:
+        fn(name)
+    except Exception as exc:  # noqa: BLE001
+        errors = getattr(agent, "errors", None)
+        if errors is not None:
+            errors.count("integration", exc)
+
+
 def begin_phase(agent: Any, name: str) -> None:
     """Open ``agent.phase(name)`` from a framework callback (agents without phases: nothing). Never raises."""
-    fn = getattr(agent, "begin_phase", None)
-    if fn is not None:
-        try:
-            fn(name)
-        except Exception as exc:  # noqa: BLE001
-            errors = getattr(agent, "errors", None)
-            if errors is not None:
-                errors.count("integration", exc)
+    _call_phase(agent, "begin_phase", name)
 
 
 def end_phase(agent: Any, name: str) -> None:
     """Close phase ``name`` if it is the innermost open one. Never raises."""
-    fn = getattr(agent, "end_phase", None)
-    if fn is not None:
-        try:
-            fn(name)
-        except Exception as exc:  # noqa: BLE001
-            errors = getattr(agent, "errors", None)
-            if errors is not None:
-                errors.count("integration", exc)
+    _call_phase(agent, "end_phase", name)
 
 
 def open_phase(agent: Any) -> Any:
