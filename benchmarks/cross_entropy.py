@@ -288,6 +288,55 @@ def table(bw: float) -> str:
 
 # ---------------------------------------------------------------- --sweep: settings, chunking and accumulation
 
+def lce_e2e_sweep(L) -> list:
+    """Linear CE as the end-to-end Llama runs it (fp32 hidden 8192 x 2048 and fp32 weight under bf16 autocast,
+    so dW accumulates in fp32 into the weight's gradient) per chunk size and overlap: ms and GiB above inputs
+    and their gradients."""
+    lines = ["", "Linear CE as in the HF Llama end to end: fp32 hidden 8192 x 2048, fp32 weight, bf16 autocast; "
+             "fwd+bwd ms (three interleaved rounds, median) and GiB above inputs + grads", "",
+             "| V | chunk elements | rows | overlap | ms | rounds | GiB extra |", "|---|---|---|---|---|---|---|"]
+    if DEV != "cuda":
+        return lines
+    keep = (L.CHUNK_ELEMENTS, L.OVERLAP)
+    for v in (32000, 128256):
+        g = torch.Generator(device=DEV).manual_seed(5)
+        h = torch.randn(8192, 2048, device=DEV, generator=g).requires_grad_()
+        w = (torch.randn(v, 2048, device=DEV, generator=g) / 45.0).requires_grad_()
+        t = torch.randint(0, v, (8192,), device=DEV, generator=g)
+        grads_bytes = 4 * (h.numel() + w.numel())
+
+        def run():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = mk.linear_cross_entropy(h, w, t)
+            loss.backward()
+
+        variants = [(c, o) for c in (1 << 25, 1 << 26, 1 << 27, 1 << 28) for o in (True, False)]
+        res = {k: [] for k in variants}
+        mem = {}
+        for _ in range(3):
+            for c, o in variants:
+                L.CHUNK_ELEMENTS, L.OVERLAP = c, o
+                res[(c, o)].append(bench(run, grad_to_none=[h, w]))
+        for c, o in variants:
+            L.CHUNK_ELEMENTS, L.OVERLAP = c, o
+            h.grad = w.grad = None
+            sync()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            run()
+            sync()
+            mem[(c, o)] = (torch.cuda.max_memory_allocated() - base - grads_bytes) / GIB
+            h.grad = w.grad = None
+            ts = res[(c, o)]
+            lines.append(f"| {v} | 2^{c.bit_length() - 1} | {L.chunk_rows(8192, v)} | {o} | "
+                         f"{statistics.median(ts):.2f} | {min(ts):.2f}-{max(ts):.2f} | {mem[(c, o)]:.2f} |")
+        del h, w, t
+        torch.cuda.empty_cache()
+    L.CHUNK_ELEMENTS, L.OVERLAP = keep
+    return lines
+
+
 def sweep() -> str:
     """Time every candidate launch setting of the gradient-writing forward, then linear CE per chunk size and dW
     accumulation mode; returns the tables as markdown."""
@@ -350,6 +399,8 @@ def sweep() -> str:
     del x, xr, gr, x2, z, gz, gr2
     torch.cuda.empty_cache()
 
+    if "lce_e2e" in parts:
+        out += lce_e2e_sweep(L)
     if "lce" not in parts:
         K._candidates = real
         C._TUNED.clear()

@@ -16,6 +16,9 @@ for spec in "$@"; do
     rotary)      cmd="python3 benchmarks/rotary.py" ;;
     hf_e2e)      cmd="python3 benchmarks/hf_llama_e2e.py" ;;
     ce)          cmd="python3 benchmarks/cross_entropy.py" ;;
+    ce_sweep)    cmd="env SWEEP_PARTS=ce,lce_e2e python3 benchmarks/cross_entropy.py --sweep" ;;
+    rotary_sweep) cmd="python3 benchmarks/rotary.py --sweep" ;;
+    e2e_mem)     cmd="python3 benchmarks/hf_llama_e2e.py --configs eager_patch,eager_liger --steps 5 --warmup 3" ;;
     flops)       cmd="python3 benchmarks/flops_validation.py" ;;
     fleet)       cmd="python3 benchmarks/fleet_overhead.py" ;;
     tests_new)   cmd="env MFUWATCH_KERNEL_TESTS_ON_GPU=1 python3 -m pytest -q -x tests/kernels/test_rotary.py tests/kernels/test_patch_rotary.py" ;;

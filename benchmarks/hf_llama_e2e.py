@@ -133,8 +133,27 @@ def child(args) -> dict:
         sync()
         times.append((time.perf_counter() - t) * 1e3)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+    phases = {}
+    if dev == "cuda":  # one more step, the peak of each phase apart: where the step's peak is
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        with autocast:
+            loss = fwd(input_ids=ids, labels=ids).loss
+        sync()
+        phases["forward"] = torch.cuda.max_memory_allocated() / 2**30
+        phases["after_forward"] = torch.cuda.memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        sync()
+        phases["backward"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        phases["optimizer"] = torch.cuda.max_memory_allocated() / 2**30
+        del loss
     return {"config": config, "vocab": vocab, "ms": times, "peak_gib": peak, "first_loss": first,
-            "warmup_s": warm_s, "swapped": swapped}
+            "warmup_s": warm_s, "swapped": swapped, "phase_peaks_gib": phases}
 
 
 # ------------------------------------------------------------------ parent: spawn, collect, tabulate
@@ -177,6 +196,12 @@ def table(results, configs, vocabs, args) -> str:
                                             else f"{min(peaks):.1f}-{max(peaks):.1f}")
             row += f" {statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f}) | {peak} |"
         lines.append(row)
+    phase_rows = sorted({f"V={r['vocab']} {r['config']}: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                      r["phase_peaks_gib"].items())
+                         for r in results if r.get("phase_peaks_gib")})
+    if phase_rows:
+        lines += ["", "Peak GiB per phase of one more step (forward, allocated after it, backward, optimizer):", ""]
+        lines += [f"- {p}" for p in phase_rows]
     notes = sorted({f"{r['config']}: {r['swapped']}" for r in results if r.get("swapped")})
     losses = sorted({f"V={r['vocab']} {r['config']}: {r['first_loss']:.4f}" for r in results if "first_loss" in r})
     return "\n".join(lines + ["", "Swapped by patch: " + ("; ".join(notes) or "n/a"),

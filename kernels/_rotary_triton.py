@@ -32,6 +32,8 @@ from ._common import INTERPRET, Launcher, cdiv, device_guard, pow2_at_least, use
 #: Elements of one half-tile (tokens x heads x pairs) per step of a program; larger under the interpreter,
 #: whose time goes by the number of programs and steps, not by their size.
 _TILE, _INTERPRETER_TILE = 2048, 1 << 16
+#: Warps per program; None: 4 for tiles up to 2048 elements per half, else 8.
+_WARPS = None
 
 
 @triton.jit
@@ -199,5 +201,6 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     consts = {"INTERLEAVED": bool(interleaved), "BACKWARD": bool(backward), "HAS_PASS": r < d,
               "BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_R": block_r, "BLOCK_P": block_p}
     with device_guard(q):
-        _LAUNCH(b * n_tb, args, consts, 4 if block_t * max(block_hq, block_hk) * block_r <= 2048 else 8)
+        warps = _WARPS or (4 if block_t * max(block_hq, block_hk) * block_r <= 2048 else 8)
+        _LAUNCH(b * n_tb, args, consts, warps)
     return qo, ko

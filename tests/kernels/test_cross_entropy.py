@@ -293,3 +293,19 @@ def test_split_kernel_gives_up_with_nan_instead_of_hanging(gen, split_kernel, mo
     ref_loss(x64, t, "sum").backward()
     assert torch.isnan(xg.grad[:, :64]).all()
     assert_close(xg.grad[:, 64:], x64.grad[:, 64:], torch.float32, "second segment")
+
+
+@pytest.mark.parametrize("kind", ["rev", "revh"])
+@pytest.mark.parametrize("opts", OPTIONS[:2], ids=["plain", "softcap+smooth+z"])
+def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
+    """The gradient pass walking each row from its end (several blocks per row: BLOCK 16 over V = 50, the last
+    block partial) writes the same gradient as the float64 reference."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    C = importlib.import_module("mfuwatch.kernels._common")
+    monkeypatch.setattr(K, "_candidates", lambda V, write=False, split=False: [(16, 1, kind, 0, 1)] if write
+                        else [(16, 1, "row", 0, 1)])
+    monkeypatch.setattr(C, "_TUNED", {})
+    x = torch.randn(7, 50, generator=gen) * 3
+    t = torch.randint(0, 50, (7,), generator=gen)
+    t[3] = -100
+    check(x, t, "mean", torch.float32, gen, **opts)
