@@ -18,6 +18,10 @@ for spec in "$@"; do
     ce)          cmd="python3 benchmarks/cross_entropy.py" ;;
     ce_sweep)    cmd="env SWEEP_PARTS=ce,lce_e2e python3 benchmarks/cross_entropy.py --sweep" ;;
     rotary_sweep) cmd="python3 benchmarks/rotary.py --sweep" ;;
+    ce_sweep_k)  cmd="env SWEEP_PARTS=ce python3 benchmarks/cross_entropy.py --sweep" ;;
+    rotary_prof) cmd="python3 benchmarks/rotary.py --profile --repeats 2" ;;
+    rotary_prof_c) cmd="python3 benchmarks/rotary.py --profile --repeats 2 --grad-layout contiguous" ;;
+    e2e_prof)    cmd="python3 benchmarks/hf_llama_e2e.py --configs compile,compile_patch --vocab 128256 --steps 8 --profile" ;;
     e2e_mem)     cmd="python3 benchmarks/hf_llama_e2e.py --configs eager_patch,eager_liger --steps 5 --warmup 3" ;;
     flops)       cmd="python3 benchmarks/flops_validation.py" ;;
     fleet)       cmd="python3 benchmarks/fleet_overhead.py" ;;

@@ -52,6 +52,7 @@ P.add_argument("--vocab", default="32000,128256", help="comma-separated vocabula
 P.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
 P.add_argument("--tiny", action="store_true", help="CPU, Triton interpreter, a 2-layer d=32 model (plumbing check)")
 P.add_argument("--timeout", type=int, default=600, help="seconds allowed per child process (default 600)")
+P.add_argument("--profile", action="store_true", help="also list each configuration's top GPU kernels of one step")
 P.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one configuration, print one JSON line
 
 
@@ -152,15 +153,26 @@ def child(args) -> dict:
         sync()
         phases["optimizer"] = torch.cuda.max_memory_allocated() / 2**30
         del loss
+    kernels = []
+    if dev == "cuda" and args.profile:  # one more step under torch.profiler: the GPU kernels by device time
+        from torch.profiler import ProfilerActivity, profile
+
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            sync()
+        kernels = sorted(((e.key[:100], e.count, e.device_time_total / 1e3) for e in prof.key_averages()
+                          if e.device_time_total > 0), key=lambda r: -r[2])
+        kernels = [("total", 0, sum(r[2] for r in kernels))] + kernels[:25]
     return {"config": config, "vocab": vocab, "ms": times, "peak_gib": peak, "first_loss": first,
-            "warmup_s": warm_s, "swapped": swapped, "phase_peaks_gib": phases}
+            "warmup_s": warm_s, "swapped": swapped, "phase_peaks_gib": phases, "kernels_ms": kernels}
 
 
 # ------------------------------------------------------------------ parent: spawn, collect, tabulate
 
 def run_child(config: str, vocab: int, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{config}:{vocab}", "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
+           "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -202,6 +214,10 @@ def table(results, configs, vocabs, args) -> str:
     if phase_rows:
         lines += ["", "Peak GiB per phase of one more step (forward, allocated after it, backward, optimizer):", ""]
         lines += [f"- {p}" for p in phase_rows]
+    for r in results:
+        if r.get("kernels_ms"):
+            lines += ["", f"GPU kernels of one step, V={r['vocab']} {r['config']} (ms, calls):", ""]
+            lines += [f"    {ms:8.3f}  x{n:<4d} {k}" for k, n, ms in r["kernels_ms"]]
     notes = sorted({f"{r['config']}: {r['swapped']}" for r in results if r.get("swapped")})
     losses = sorted({f"V={r['vocab']} {r['config']}: {r['first_loss']:.4f}" for r in results if "first_loss" in r})
     return "\n".join(lines + ["", "Swapped by patch: " + ("; ".join(notes) or "n/a"),

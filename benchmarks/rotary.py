@@ -11,7 +11,8 @@ Run on a CUDA GPU from the repository root (project installed with
 
 Shapes (Llama-3-8B): 16384 tokens as batch 4 x 4096, 32 query and 8 KV heads, head_dim 128, bf16;
 q and k as the attention module makes them (``(B, T, H, D)`` projections viewed as ``(B, H, T, D)``),
-cos/sin ``(1, T, 128)`` as its rotary module returns them. Each provider is checked against float32
+cos/sin ``(1, T, 128)`` as its rotary module returns them. The upstream gradients are laid out as the outputs
+(``--grad-layout out``, how SDPA's backward returns the gradients of q_embed and k_embed) or contiguous. Each provider is checked against float32
 math of the same inputs (forward and both gradients), then timed forward + backward
 (``triton.testing.do_bench``, median; ``--repeats`` interleaved rounds, the median reported). The floor is
 the bytes a fused rotary must move, forward and backward (read q, k and write q_embed, k_embed; read the
@@ -34,6 +35,10 @@ P.add_argument("--repeats", type=int, default=3, help="interleaved timing rounds
 P.add_argument("--batch", type=int, default=4)
 P.add_argument("--seq", type=int, default=4096)
 P.add_argument("--sweep", action="store_true", help="also time mfuwatch's kernel per tile size and warp count")
+P.add_argument("--profile", action="store_true", help="also list each provider's GPU kernels (torch.profiler)")
+P.add_argument("--grad-layout", choices=("out", "contiguous"), default="out",
+               help="layout of the upstream gradients: 'out' (default) as the outputs q_embed/k_embed are laid out, "
+                    "which is how SDPA's backward returns them; 'contiguous' (B, H, T, D) contiguous")
 ARGS = P.parse_args()
 if ARGS.smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -86,8 +91,12 @@ def inputs(gen):
     inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV, dtype=torch.float32) / D))  # Llama-3 theta
     f = torch.arange(T, device=DEV, dtype=torch.float32)[:, None] * inv
     emb = torch.cat((f, f), dim=-1)[None]
-    gq = torch.randn(B, HQ, T, D, generator=gen, device=DEV).to(DT)
-    gk = torch.randn(B, HK, T, D, generator=gen, device=DEV).to(DT)
+    if ARGS.grad_layout == "out":  # (B, T, H, D) memory viewed as (B, H, T, D), like q_embed and k_embed
+        gq = torch.randn(B, T, HQ, D, generator=gen, device=DEV).to(DT).transpose(1, 2)
+        gk = torch.randn(B, T, HK, D, generator=gen, device=DEV).to(DT).transpose(1, 2)
+    else:
+        gq = torch.randn(B, HQ, T, D, generator=gen, device=DEV).to(DT)
+        gk = torch.randn(B, HK, T, D, generator=gen, device=DEV).to(DT)
     return q_proj, k_proj, emb.cos().to(DT), emb.sin().to(DT), gq, gk
 
 
@@ -174,6 +183,28 @@ def sweep(ins, floor_ms):
     return lines
 
 
+def profile(provs, ins):
+    """Each provider's GPU kernels over 5 forward + backward calls: name, calls and device microseconds per call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    lines = ["", "GPU kernels per forward + backward (torch.profiler, 5 calls):", ""]
+    for name, fn in provs.items():
+        fwd_bwd(fn, *ins)
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(5):
+                for t in ins[:2]:
+                    t.grad = None
+                fwd_bwd(fn, *ins)
+            torch.cuda.synchronize()
+        rows = [(e.key, e.count / 5, e.device_time_total / 5) for e in p.key_averages() if e.device_time_total > 0]
+        rows.sort(key=lambda r: -r[2])
+        lines += [f"{name}: total {sum(r[2] for r in rows):.1f} us"]
+        lines += [f"  {us:8.1f} us  x{n:g}  {k[:110]}" for k, n, us in rows[:8]]
+    return lines
+
+
 def copy_bandwidth():
     if DEV == "cpu":
         return float("nan")
@@ -221,7 +252,7 @@ def main() -> int:
     dev_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
     lines = [f"# Rotary embedding, forward + backward ({dev_name}, torch {torch.__version__})", "",
              f"q ({B}, {HQ}, {T}, {D}), k ({B}, {HK}, {T}, {D}) transposed projections, cos/sin (1, {T}, {D}), "
-             f"{str(DT).replace('torch.', '')}; device-copy bandwidth {bw / 1e12:.2f} TB/s; byte floor "
+             f"{str(DT).replace('torch.', '')}; upstream gradients laid out {ARGS.grad_layout!r}; device-copy bandwidth {bw / 1e12:.2f} TB/s; byte floor "
              f"{nbytes / 2**20:.0f} MiB = {floor_ms:.3f} ms.", "",
              "| provider | do_bench ms (median) | rounds min-max | x floor | device ms (median) | x floor "
              "| host ms per call |", "|---|---|---|---|---|---|---|"]
@@ -247,6 +278,8 @@ def main() -> int:
                   f"{'met' if x <= GOAL else 'MISSED'}; do_bench time {x2:.2f}x, {'met' if x2 <= GOAL else 'MISSED'}."]
     if ARGS.sweep and DEV == "cuda":
         lines += sweep(ins, floor_ms)
+    if ARGS.profile and DEV == "cuda":
+        lines += profile(provs, ins)
     if failures:
         lines += ["", "Failures:"] + [f"- {f}" for f in failures]
     text = "\n".join(lines)

@@ -11,10 +11,10 @@ options). For each chunk of ``C`` rows of ``hidden``::
     dbias    += sum of dlogits_c over rows          (V,), fp32
 
 so the three GEMMs of the unfused op run once each and only one ``C x V`` chunk of logits is alive.
-``C`` is the largest power of two with ``C x V <= CHUNK_ELEMENTS`` (2^28: 512 MiB of bf16 logits, 2048
-rows at V = 128256), and at least 256 rows: GEMM 3 then has an arithmetic intensity of about
-``C H / (C + H)`` FLOP per byte (1365 at C = 2048, H = 4096), far above the H200's machine balance
-(about 206), so accumulating dW in chunks stays compute-bound. With an fp32 weight (autocast with fp32
+``C`` is the largest power of two with ``C x V <= CHUNK_ELEMENTS`` (2^27: 256 MiB of bf16 logits), and at
+least 2048 rows (2048 at V = 128256): GEMM 3 then has an arithmetic intensity of about ``C H / (C + H)`` FLOP
+per byte (1365 at C = 2048, H = 4096), far above the H200's machine balance (about 206), so accumulating dW in
+chunks stays compute-bound. With an fp32 weight (autocast with fp32
 master weights) dW is accumulated in fp32 into a buffer that becomes the weight's gradient: no extra
 memory. With a bf16/fp16 weight (the default :data:`ACCUMULATE_FP32` = None) the first chunk's GEMM
 writes dW in the weight's dtype and later chunks add to it with the GEMM's ``beta = 1`` (fp32 inside
@@ -45,11 +45,16 @@ from . import _flops
 from ._common import first_order_only, needs_grad, use_custom_op
 from .cross_entropy import check_options, reduce_rows
 
-#: Elements of logits per chunk (rows per chunk = the largest power of two with rows x V <= this): 2^28 is 512 MiB
-#: of bf16 logits, 2048 rows at V = 128256 (measured on the H200 faster than 4096-row chunks: 39.9 vs 41.5 ms).
-CHUNK_ELEMENTS = 1 << 28
-#: Rows per chunk at least (GEMM 3 stays compute-bound), unless N is smaller.
-MIN_CHUNK_ROWS = 256
+#: Elements of logits per chunk: rows per chunk = the largest power of two with rows x V <= this, but at least
+#: MIN_CHUNK_ROWS. 2^27 is 256 MiB of bf16 logits (4096 rows at V = 32000); at V = 128256 the floor of 2048 rows
+#: decides (512 MiB). Measured on the H200 as the HF Llama end to end runs it (hidden 8192 x 2048, fp32 weight under
+#: bf16 autocast, docs/gpu-runs/cross_entropy-run3.md): V = 32000, 4096-row chunks 5.46 ms and 0.41 GiB above
+#: inputs and gradients against 5.37-5.54 ms and 0.67 GiB for one 8192-row chunk; V = 128256, 2048-row chunks
+#: 22.3 ms, 1024-row 24.6 ms, 512-row 29.4 ms.
+CHUNK_ELEMENTS = 1 << 27
+#: Rows per chunk at least (unless N is smaller): GEMM 3 (dW) then stays compute-bound and the fp32 dW
+#: accumulator is read and written once per 2048 rows, not more often (the measured cost of smaller chunks above).
+MIN_CHUNK_ROWS = 2048
 #: Elements of one slab of the dW product added to the fp32 accumulator.
 SLAB_ELEMENTS = 1 << 27
 #: How dW is accumulated over the chunks. None (the default): in fp32 when the weight (or the compute dtype) is
@@ -61,8 +66,13 @@ SLAB_ELEMENTS = 1 << 27
 ACCUMULATE_FP32: Optional[bool] = None
 #: Overlap the chunks on CUDA: chunk k's GEMMs 2 and 3 (dhidden, dweight) run on a side stream while GEMM 1 and
 #: the cross-entropy kernel of chunk k+1 run on the caller's stream, over two preallocated chunk buffers (two
-#: chunks of logits alive, never more). False: one stream, one chunk alive.
-OVERLAP = True
+#: chunks of logits alive). None (the default): only when a chunk's logits take at most OVERLAP_MAX_BYTES, where
+#: the second buffer is cheap and the overlap pays (measured: 512-row chunks at V = 128256, 28.3 ms overlapped
+#: against 29.4 ms); 2048-row chunks at V = 128256 were as fast or faster on one stream (22.26 against 22.43 ms,
+#: 1.02 against 1.51 GiB). True: always; False: never (one stream, one chunk alive).
+OVERLAP: Optional[bool] = None
+#: Largest chunk of logits (bytes) overlapped when OVERLAP is None.
+OVERLAP_MAX_BYTES = 1 << 27
 _ADDMM_OUT_DTYPE: dict = {}
 _SIDE: dict = {}
 
@@ -77,10 +87,17 @@ def _side_stream(dev: torch.device) -> "torch.cuda.Stream":
 
 
 def chunk_rows(n: int, v: int) -> int:
-    """Rows per chunk for ``n`` rows and ``v`` classes (see the module docstring)."""
+    """Rows per chunk for ``n`` rows and ``v`` classes (:data:`CHUNK_ELEMENTS`, :data:`MIN_CHUNK_ROWS`)."""
     c = max(1, CHUNK_ELEMENTS // max(v, 1))
     c = 1 << (c.bit_length() - 1)
     return max(1, min(n, max(c, MIN_CHUNK_ROWS)))
+
+
+def overlaps(rows: int, v: int, itemsize: int) -> bool:
+    """Whether chunks of ``rows`` x ``v`` logits of ``itemsize`` bytes run overlapped (:data:`OVERLAP`)."""
+    if OVERLAP is None:
+        return rows * v * itemsize <= OVERLAP_MAX_BYTES
+    return bool(OVERLAP)
 
 
 def compute_dtype(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> torch.dtype:
@@ -170,7 +187,8 @@ def _chunked(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
         b = bias.to(dtype) if bias is not None else None
         h_all = hidden.to(dtype)
         c = chunk_rows(N, V)
-        two = (grads and OVERLAP and dev.type == "cuda" and N > c and not torch.cuda.is_current_stream_capturing())
+        two = (grads and dev.type == "cuda" and N > c and overlaps(c, V, w.element_size())
+               and not torch.cuda.is_current_stream_capturing())
         if two:  # chunk k's GEMMs 2 and 3 on a side stream while GEMM 1 and the CE kernel of chunk k+1 run
             main, side = torch.cuda.current_stream(dev), _side_stream(dev)
             bufs = [torch.empty((c, V), dtype=dtype, device=dev) for _ in range(2)]  # two chunks alive at most

@@ -210,10 +210,22 @@ def test_custom_op_path_under_compile_and_flop_counter(gen, small_chunks):
 
 
 def test_chunk_rows_keep_the_dw_gemm_compute_bound():
-    assert chunk_rows(8192, 128256) == 2048
-    assert chunk_rows(8192, 32000) == 8192
+    assert chunk_rows(8192, 128256) == 2048  # 2^27 / 128256 = 1046 rows, raised to the 2048-row floor
+    assert chunk_rows(8192, 32000) == 4096  # 2^27 / 32000 = 4194 -> the power of two below
     assert chunk_rows(100, 262144) == 100
-    assert chunk_rows(8192, 262144) == 1024
+    assert chunk_rows(8192, 262144) == 2048
+    assert chunk_rows(1 << 20, 1000) == 1 << 17  # 2^27 / 1000 = 134217 -> 131072
+
+
+def test_overlap_only_for_chunks_up_to_the_byte_limit(monkeypatch):
+    monkeypatch.setattr(lce_mod, "OVERLAP", None)
+    assert not lce_mod.overlaps(2048, 128256, 2)  # 513 MB of bf16 logits: one stream
+    assert lce_mod.overlaps(2048, 32000, 2)  # 131.1 MB <= 2^27 = 134.2 MB: overlapped
+    assert not lce_mod.overlaps(4096, 32000, 2)  # 262 MB
+    monkeypatch.setattr(lce_mod, "OVERLAP", True)
+    assert lce_mod.overlaps(2048, 128256, 2)
+    monkeypatch.setattr(lce_mod, "OVERLAP", False)
+    assert not lce_mod.overlaps(8, 8, 2)
 
 
 def test_module_and_errors(gen):
