@@ -19,6 +19,7 @@ for spec in "$@"; do
     ce_sweep)    cmd="env SWEEP_PARTS=ce,lce_e2e python3 benchmarks/cross_entropy.py --sweep" ;;
     rotary_sweep) cmd="python3 benchmarks/rotary.py --sweep" ;;
     ce_sweep_k)  cmd="env SWEEP_PARTS=ce python3 benchmarks/cross_entropy.py --sweep" ;;
+    rotary_c)    cmd="python3 benchmarks/rotary.py --grad-layout contiguous" ;;
     rotary_prof) cmd="python3 benchmarks/rotary.py --profile --repeats 2" ;;
     rotary_prof_c) cmd="python3 benchmarks/rotary.py --profile --repeats 2 --grad-layout contiguous" ;;
     e2e_prof)    cmd="python3 benchmarks/hf_llama_e2e.py --configs compile,compile_patch --vocab 128256 --steps 8 --profile" ;;

@@ -247,11 +247,12 @@ MAX_SPLIT = 64
 MAX_SPIN = 1 << 16
 #: Candidates of a gradient-writing forward launch (BLOCK, num_warps, kind, programs per SM, stages), the default
 #: first. Measured on the H200 (docs/gpu-runs/cross_entropy-run3.md, 8192 x 128256 bf16 fwd+bwd): one program
-#: per row of 2048-element blocks with loads pipelined 3 deep and the gradient pass reversed, 1.648 ms; the same
-#: forwards, 1.715 ms; the unpipelined 1.837 ms; persistent grids 2.0-2.7 ms (so none is tried).
-WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 3), (2048, 4, "rev", 0, 4),
-                         (1024, 4, "rev", 0, 4), (1024, 2, "rev", 0, 3), (2048, 8, "rev", 0, 3),
-                         (4096, 8, "rev", 0, 3), (16384, 16, "revh", 0, 1), (2048, 4, "row", 0, 1))
+#: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
+#: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
+WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
+                         (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
+                         (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
+                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1))
 
 
 def _candidates(V: int, write: bool = False, split: bool = False):

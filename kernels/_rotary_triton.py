@@ -168,16 +168,36 @@ def _strides4(t: torch.Tensor) -> Tuple[int, int, int, int]:
     return tuple(t.stride())  # type: ignore[return-value]
 
 
+def dense_strides(shape, strides) -> bool:
+    """Whether ``strides`` lay ``shape`` out densely (a permutation of a contiguous layout, no gaps or overlap)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n != 1)
+    expect = 1
+    for st, n in dims:
+        if st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _empty(x: torch.Tensor, dtype: torch.dtype, strides=None) -> torch.Tensor:
+    """An output shaped like ``x``: laid out as ``strides`` when given and dense for the shape, else as ``x``."""
+    if strides is not None and dense_strides(x.shape, strides):
+        return torch.empty_strided(x.shape, strides, dtype=dtype, device=x.device)
+    return torch.empty_like(x, dtype=dtype)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-           backward: bool = False, q_dtype=None, k_dtype=None) -> Tuple[torch.Tensor, torch.Tensor]:
+           backward: bool = False, q_dtype=None, k_dtype=None, layouts=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` (forward) or their gradients (``backward=True``); new tensors with the inputs'
     strides where those are dense (a transposed projection stays transposed), in ``q_dtype``/``k_dtype``
-    (default: the forward's promoted dtype). q, k: (B, Hq, T, D), (B, Hk, T, D); cos, sin: (B or 1, T, R)."""
+    (default: the forward's promoted dtype). q, k: (B, Hq, T, D), (B, Hk, T, D); cos, sin: (B or 1, T, R).
+    ``layouts``: (q strides, k strides) for the outputs instead (the backward passes the forward inputs', so that
+    the gradients land in the layout autograd accumulates into without a copy), used where dense."""
     r = check(q, k, cos, sin)
     qd = q_dtype if q_dtype is not None else out_dtype(q, cos, sin)
     kd = k_dtype if k_dtype is not None else out_dtype(k, cos, sin)
-    qo = torch.empty_like(q, dtype=qd)
-    ko = torch.empty_like(k, dtype=kd)
+    qo = _empty(q, qd, layouts[0] if layouts else None)
+    ko = _empty(k, kd, layouts[1] if layouts else None)
     b, hq, t, d = q.shape
     hk = k.shape[1]
     if b * t == 0 or (hq == 0 and hk == 0):

@@ -92,13 +92,16 @@ class RotaryFunction(torch.autograd.Function):
     def forward(ctx, q, k, cos, sin, interleaved):
         ctx.save_for_backward(cos, sin)
         ctx.interleaved, ctx.dtypes = interleaved, (q.dtype, k.dtype)
+        ctx.layouts = (q.stride(), k.stride())
         return K.rotary(q, k, cos, sin, interleaved)
 
     @staticmethod
     @first_order_only  # a clear error for double backward (the kernels have no second derivative)
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        gq, gk = K.rotary(dq, dk, cos, sin, ctx.interleaved, True, *ctx.dtypes)
+        # the gradients laid out as q and k were (e.g. transposed projections), whatever layout dq/dk arrive in:
+        # autograd then hands them to the projections' outputs without a copy
+        gq, gk = K.rotary(dq, dk, cos, sin, ctx.interleaved, True, *ctx.dtypes, layouts=ctx.layouts)
         return gq, gk, None, None, None
 
 

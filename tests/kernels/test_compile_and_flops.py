@@ -267,3 +267,24 @@ def test_first_order_gradient_under_create_graph_is_unchanged():
     (g1,) = torch.autograd.grad(mk.rms_norm(x, w).sum(), x, create_graph=True)
     (g0,) = torch.autograd.grad(mk.rms_norm(x, w).sum(), x)
     assert torch.equal(g1.detach(), g0)
+
+
+def test_compiled_patched_rotary_is_the_models_own_graph():
+    """Under torch.compile the wired rotary calls the model's own apply_rotary_pos_emb, so Inductor gets the
+    graph it gets unpatched: the forward and backward graphs' call targets are identical, in order."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=48, vocab_size=64,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    graphs = []
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(DEVICE)
+        if patched:
+            report = mk.patch(model, kernels=["rotary"])
+            assert [s.kernel for s in report.swapped] == ["rotary"], str(report)
+        seen = []
+        torch._dynamo.reset()
+        torch.compile(model, backend=graph_recorder(seen))(input_ids=ids, labels=ids).loss.backward()
+        graphs.append(seen)
+    assert graphs[0] and graphs[0] == graphs[1]

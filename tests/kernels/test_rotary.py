@@ -161,3 +161,26 @@ def test_mixed_dtypes_promote_and_a_strided_head_dim(gen):
     (ref_rotary(q64, cos, sin, False) * g.double()).sum().backward()
     assert_close(wide.grad[..., ::2], q64.grad, torch.bfloat16, "dq")
     assert wide.grad[..., 1::2].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_take_the_inputs_layout_whatever_layout_arrives(dtype, gen):
+    """A contiguous (B, H, T, D) upstream gradient into a transposed (B, T, H, D) projection: dq comes back laid
+    out as q was, so autograd hands it to the projection without a copy; its values match float64."""
+    from mfuwatch.kernels._rotary_triton import dense_strides
+
+    b, t, hq, hk, d = 2, 5, 3, 1, 8
+    q = torch.randn(b, t, hq, d, generator=gen).to(dtype).to(DEVICE).requires_grad_().transpose(1, 2)
+    k = torch.randn(b, t, hk, d, generator=gen).to(dtype).to(DEVICE).requires_grad_().transpose(1, 2)
+    cos, sin = angles(1, t, d, gen, dtype)
+    qe, ke = mk.apply_rotary(q, k, cos, sin)
+    gq = torch.randn(b, hq, t, d, generator=gen).to(dtype).to(DEVICE)  # contiguous: another layout than q's
+    gk = torch.randn(b, hk, t, d, generator=gen).to(dtype).to(DEVICE)
+    dq, dk = torch.autograd.grad((qe, ke), (q, k), (gq, gk))
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    q64 = q.detach().double().requires_grad_()
+    (ref_rotary(q64, cos, sin, False) * gq.double()).sum().backward()
+    assert_close(dq, q64.grad, dtype, "dq")
+    assert dense_strides((2, 3, 5, 8), (120, 8, 24, 1)) and dense_strides((2, 1, 5, 8), (40, 7, 8, 1))
+    assert not dense_strides((2, 3, 5, 8), (240, 8, 48, 1))  # every other token: a gap
+    assert not dense_strides((2, 3, 5, 8), (0, 8, 24, 1))  # broadcast over the batch: overlap
