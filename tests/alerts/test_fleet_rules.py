@@ -185,3 +185,25 @@ def test_promtool_checks_and_unit_tests_the_fleet_rules(tmp_path):
                                    sort_keys=False, width=10_000))
     res = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
+
+
+def test_every_fleet_alert_links_an_existing_runbook_that_names_existing_panels():
+    import json
+    import re
+
+    from mfuwatch.alerts.fleet_rules import FleetRuleConfig, alerting_rules
+
+    panels = set()
+    for f in (REPO / "grafana" / "dashboards").glob("*.json"):
+        panels |= {p.get("title") for p in json.loads(f.read_text())["panels"]}
+    for rule in alerting_rules(FleetRuleConfig()):
+        name = rule["annotations"]["runbook_url"].rsplit("/", 1)[1]
+        path = REPO / "docs" / "runbooks" / name
+        assert path.is_file(), f"{rule['alert']}: no runbook {path}"
+        text = path.read_text()
+        assert text.startswith(f"# {name[:-3]}\n"), path
+        if rule["alert"] == "InputBoundRank":
+            assert "rank:mfuwatch_input_wait:ratio" in text and "mfuwatch_goodput_seconds_total" in text
+            quoted = re.findall(r'"([^"]+)"', text.replace("\n  ", " "))
+            assert {"Input-wait share per rank", "Step time per rank"} <= set(quoted) <= panels | {"input_wait"}, \
+                set(quoted) - panels
