@@ -83,8 +83,11 @@ class StepClock:
             return ev
         return self._now()
 
-    def mark(self, step: int, tokens: int, loss: Optional[float] = None) -> None:
-        """Record the boundary at the end of optimizer step ``step`` (training thread, no sync)."""
+    def mark(self, step: int, tokens: int, loss: Optional[float] = None) -> float:
+        """Record the boundary at the end of optimizer step ``step`` (training thread, no sync).
+
+        Returns the boundary's wall time (``time.time()`` seconds), the step's end as the host saw it.
+        """
         b = Boundary(step=step, tokens=tokens, wall=self._wall(), marker=self._marker(), loss=loss)
         with self._lock:
             if len(self._pending) >= self._max_pending:
@@ -92,6 +95,7 @@ class StepClock:
                 old = self._pending.popleft()
                 self._merged_tokens += old.tokens
             self._pending.append(b)
+        return b.wall
 
     def mark_gap(self, step: int) -> None:
         """Restart timing after optimizer step ``step``: the time since the previous boundary was not training.

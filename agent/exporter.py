@@ -36,6 +36,10 @@ class MeasurementCollector(Collector):
     def __init__(self, run_info: RunInfo) -> None:
         self.run_info = run_info
         self._lock = threading.Lock()
+        #: Unix time (seconds) the last optimizer step ended, written by the step hook at each boundary (one
+        #: float store, no lock: it is read whole); ``mfuwatch_last_step_timestamp_seconds`` serves it, so the
+        #: gauge moves per step and not only when the agent thread reports.
+        self.last_step_wall: Optional[float] = None
         self.step: Optional[StepMeasurement] = None
         self.window: Optional[WindowMeasurement] = None
         self.gpu: Optional[GpuHealth] = None
@@ -86,8 +90,13 @@ class MeasurementCollector(Collector):
             yield self._gauge(M.TOKENS_PER_SECOND, "Training tokens per second", step.tokens_per_second)
             yield self._gauge(M.LAST_STEP_DURATION_SECONDS, "Mean optimizer-step time of the last report interval",
                               step.step_time_seconds)
-            yield self._gauge(M.LAST_STEP_TIMESTAMP_SECONDS, "Unix time of the last measured optimizer step",
-                              step.timestamp)
+        # the step hook's per-step time; a report's (its last step's end) where no hook feeds the collector
+        last = self.last_step_wall
+        if step is not None and (last is None or step.timestamp > last):
+            last = step.timestamp
+        if last is not None:
+            yield self._gauge(M.LAST_STEP_TIMESTAMP_SECONDS, "Unix time at which the last optimizer step ended "
+                              "(set by the step hook at each step)", last)
         if window is not None:
             g = GaugeMetricFamily(M.GPU_TIME_SHARE, "Share of GPU busy time per category in the last profiler "
                                   "window (idle: share of wall time)", labels=["run", "rank", "category"])

@@ -13,7 +13,9 @@ One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fl
   phase's end) and pauses both the in-process ``TrainingStalled`` watchdog and the
   hang watchdog;
 * the hang watchdog (:mod:`mfuwatch.agent.watchdog`): ``mfuwatch_hangs_total``,
-  ``mfuwatch_hang_info{frame}`` while a step is stuck, ``hang`` timeline records;
+  ``mfuwatch_hang_info{frame}`` while a step is stuck, ``hang`` timeline records, and the
+  report handed to the in-process alert engine (``observe_hang``; plus ``stall_probe``, so a
+  ``TrainingStalled`` that fires before the watchdog judges still says where the thread waits);
 * the straggler score (:mod:`mfuwatch.agent.straggler`): ``mfuwatch_straggler_score_ratio``;
 * lost progress after a restart, from the run's own timeline.
 
@@ -40,7 +42,7 @@ from . import checkpoint_hooks
 from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo, tail_records
 from .schema import M
 from .straggler import StragglerScore
-from .watchdog import HangReport, HangWatchdog
+from .watchdog import HangReport, HangWatchdog, last_nccl_collective, thread_stack
 
 log = logging.getLogger("mfuwatch")
 
@@ -161,6 +163,7 @@ class FleetAccounting:
                 self._auto_ckpt = False
                 self.errors.count("checkpoint", exc)
         self._graphs = self._compiled_graphs()
+        self._probe_set = False  # stall_probe handed to the alert engine (built after this object)
 
     def attempt_record(self) -> dict:
         """The ``attempt`` timeline record that opens this process's part of the timeline.
@@ -295,6 +298,11 @@ class FleetAccounting:
         ``flops_per_step(tokens_per_step)`` gives ``(model, hardware)`` FLOPs of one step.
         """
         try:
+            if not self._probe_set:  # once: the engine exists by now, and no stall fires before a report
+                self._probe_set = True
+                alerts = getattr(self.agent, "alerts", None)
+                if alerts is not None and hasattr(alerts, "stall_probe"):
+                    alerts.stall_probe = self.stall_context
             if steps <= 0:
                 return
             model, hw = flops_per_step(tokens / steps)
@@ -317,9 +325,50 @@ class FleetAccounting:
         import dataclasses
 
         self._write({"kind": "hang", **dataclasses.asdict(report)})
+        self._tell_alerts(self._hang_mapping(report))
+
+    @staticmethod
+    def _hang_mapping(report: HangReport) -> dict:
+        """A hang report as the plain mapping the alert engine takes (``alerts.signals.hang_context``)."""
+        return {"where": report.where, "stack": list(report.stack), "last_collective": report.last_collective,
+                "step": report.step, "elapsed_seconds": report.elapsed_seconds, "source": "hang_watchdog"}
+
+    def _tell_alerts(self, report: Optional[dict]) -> None:
+        alerts = getattr(self.agent, "alerts", None)
+        if alerts is not None and hasattr(alerts, "observe_hang"):
+            with self.errors.guard("watchdog"):
+                alerts.observe_hang(report)
+
+    def stall_context(self) -> Optional[dict]:
+        """Where the training thread waits now, for a ``TrainingStalled`` alert (the engine's ``stall_probe``).
+
+        The hang watchdog's report of the current step when it has one, else the training thread's
+        Python stack taken now (``sys._current_frames()``: the thread is not paused) and the last NCCL
+        flight-recorder entry. ``None`` before the training thread is known. Called on the alert
+        engine's watchdog thread; never raises (failures are counted under ``watchdog``).
+        """
+        try:
+            hang = self.current_hang
+            if hang is not None:
+                return self._hang_mapping(hang)
+            tid = self._train_thread
+            stack = thread_stack(tid) if tid is not None else []
+            if not stack:
+                return None
+            collective = None
+            try:
+                collective = last_nccl_collective()
+            except Exception as exc:  # noqa: BLE001 - the flight recorder is optional
+                self.errors.count("watchdog", exc)
+            return {"where": stack[-1], "stack": stack, "last_collective": collective,
+                    "step": int(getattr(self.agent, "_step", 0) or 0), "source": "alert"}
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("watchdog", exc)
+            return None
 
     def _on_recover(self, step: int) -> None:
         hang, self.current_hang = self.current_hang, None
+        self._tell_alerts(None)
         if hang is not None:
             self._write({"kind": "hang_resolved", "step": step + 1, "timestamp": time.time(),
                          "stuck_seconds": time.time() - hang.timestamp + hang.elapsed_seconds})

@@ -57,7 +57,7 @@ class TrainingHooks:
     Owns the training-thread state ``_step``, ``_pending_tokens``, ``_seq_len``,
     ``_pending_loss``, ``_clock_started``, ``_explicit_warned`` and ``_handles``; sets
     ``_dtype_key`` at the first training forward; feeds ``clock``, ``flop_model``,
-    ``fleet`` and ``profiler``.
+    ``fleet``, ``profiler`` and the exporter's last-step time.
     """
 
     def _install_hooks(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
@@ -199,7 +199,8 @@ class TrainingHooks:
             elif isinstance(loss, torch.Tensor):
                 loss = loss.detach()
             self.flop_model.on_step_end(tokens)  # never raises; always leaves FlopCounterMode
-            self.clock.mark(self._step, int(tokens or 0), loss)
+            # the boundary's own wall-clock stamp: mfuwatch_last_step_timestamp_seconds moves per step, not per report
+            self.exporter.collector.last_step_wall = self.clock.mark(self._step, int(tokens or 0), loss)
             if self.fleet is not None:
                 self.fleet.boundary(self._step)  # fleet: goodput bucket of the step, hang watchdog
             prof = self.profiler

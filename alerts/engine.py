@@ -47,7 +47,7 @@ from .notifiers import build_notifier
 from .notifiers.base import OUTCOMES, NotifierWorker
 from .rules import Rule
 from .secrets import SecretError
-from .signals import MeasurementStore, memory_bound_ops, suggestion_rows
+from .signals import MeasurementStore, hang_context, memory_bound_ops, suggestion_rows
 from .templates import fmt_pct
 from .validation import AlertConfigError
 
@@ -86,6 +86,14 @@ class AlertEngine:
     clock in tests. Metrics go to ``registry`` (a private one when ``None``):
     ``mfuwatch_alerts_firing{run,rank,alertname,severity}`` and
     ``mfuwatch_notifications_total{run,rank,sink,outcome}``.
+
+    A firing stall alert (a ``seconds_since_last_step`` rule, ``TrainingStalled``)
+    says where the training thread waits: from the hang report handed to
+    :meth:`observe_hang`, else from ``stall_probe`` — an optional callable (the
+    agent sets it) that returns the same mapping, taken when the alert fires, on
+    the engine's watchdog thread. The innermost frames go into the annotations
+    ``waiting_at`` and ``stack`` and the context ``hang`` (see
+    :func:`~mfuwatch.alerts.signals.hang_context`), which the notifiers print.
     """
 
     def __init__(self, config: AlertConfig, *, run_info: RunInfo, registry: Optional[CollectorRegistry] = None,
@@ -114,6 +122,8 @@ class AlertEngine:
         self._states: Dict[str, _AlertState] = {
             r.name: _AlertState(r, {"alertname": r.name, "severity": r.severity, **base, **r.labels}) for r in rules}
         self._groups: Dict[Tuple[str, ...], _GroupState] = {}
+        #: ``() -> mapping or None``: where the training thread waits now (see the class docstring)
+        self.stall_probe: Optional[Callable[[], Optional[Mapping[str, Any]]]] = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self._firing = Gauge(M.ALERTS_FIRING, "1 while the alert fires (in-process engine)",
                              ["run", "rank", "alertname", "severity"], registry=self.registry)
@@ -253,6 +263,18 @@ class AlertEngine:
         except Exception as exc:  # noqa: BLE001
             self._error("observe_gpu", exc)
 
+    def observe_hang(self, report: Optional[Mapping[str, Any]]) -> None:
+        """Record the hang watchdog's report of the current step (``None`` when that step ended).
+
+        Keys: ``where``, ``stack`` (outermost first), ``last_collective``, ``step``, ``elapsed_seconds``
+        (:func:`~mfuwatch.alerts.signals.hang_context`). A firing stall alert shows it from its next
+        evaluation on.
+        """
+        try:
+            self.store.observe_hang(report)
+        except Exception as exc:  # noqa: BLE001
+            self._error("observe_hang", exc)
+
     # -- evaluation ---------------------------------------------------------------------------
     def state(self, alertname: str) -> str:
         """``inactive``, ``pending`` or ``firing`` (``KeyError`` for a rule the engine does not evaluate)."""
@@ -279,6 +301,7 @@ class AlertEngine:
                         st.state, st.active_since = "pending", now
                     if st.state == "pending" and now - st.active_since >= rule.for_seconds:
                         st.state, st.fired_at, st.notified = "firing", now, False
+                        st.context = {}  # a new episode: a stall's stack is taken again
                         self._render(st, window)
                         events.append(self._transition(st, "firing", now))
                     elif st.state == "firing":
@@ -348,6 +371,30 @@ class AlertEngine:
                                           bundled_expected_gain="%.4g" % bundled[0]["expected_gain"])
             if ops:
                 st.annotations["top_memory_bound_ops"] = ", ".join(f"{o['op']} {fmt_pct(o['share'])}" for o in ops)
+        elif rule.expr in WATCHDOG_SIGNALS:
+            self._stall_context(st)
+
+    def _stall_context(self, st: _AlertState) -> None:
+        """Where the training thread waits, into a stall alert's annotations and context (caller holds the lock).
+
+        The hang watchdog's report wins; without one, ``stall_probe`` is asked once per firing episode.
+        """
+        hang = self.store.latest_hang() or st.context.get("hang")
+        if hang is None and self.stall_probe is not None:
+            try:
+                raw = self.stall_probe()
+                hang = hang_context(raw) if raw else None
+            except Exception as exc:  # noqa: BLE001 - a failing probe must not stop the alert
+                self._error("stall_probe", exc)
+        if hang is None:
+            return
+        st.context = {**st.context, "hang": hang}
+        where = hang["where"]
+        if hang.get("last_collective"):
+            where += f" (last collective: {hang['last_collective']})"
+        st.annotations["waiting_at"] = where
+        if hang["frames"]:
+            st.annotations["stack"] = "\n".join(hang["frames"])
 
     # -- notification policy --------------------------------------------------------------------
     def _muted(self, st: _AlertState, now: float, firing: List[Mapping[str, str]]) -> bool:

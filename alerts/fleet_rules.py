@@ -14,19 +14,26 @@ Recorded series (``level:metric:operation``; names do not carry the window):
 ``rank:mfuwatch_step_seconds:mean``          a rank's mean step time over the window (device-timed steps)
 ``rank:mfuwatch_step_time_vs_fastest:ratio`` that, over the fastest rank's (1 = the fastest)
 ``rank:mfuwatch_steps_behind_leader:count``  steps the rank is behind the job's most advanced rank
+``rank:mfuwatch_input_wait:ratio``           a rank's input-wait seconds / all its goodput seconds over the window
 ``rank:mfuwatch_goodput:ratio``              productive seconds / all goodput seconds, per rank
 ``job:mfuwatch_goodput:ratio``               the same over the job
 ``job:mfuwatch_goodput_seconds:rate``        per bucket, seconds per second summed over ranks (dashboard row)
 
-Alerts: ``StragglerRankChronic`` (a rank slower than the fastest by
-``straggler_ratio`` for ``straggler_for``), ``StragglerRankOneOff`` (one
-report interval at ``one_off_ratio`` × the fastest rank's mean, not chronic),
-``TrainingStalledRank`` (a rank without a step for ``stalled_seconds``; the
-notification says how many steps each rank is behind and where its training
-thread waits, from the hang watchdog's ``mfuwatch_hang_info``), and
-``GoodputLow``. Rank alerts carry the ``host`` label (joined from
-``mfuwatch_run_info``). The shipped file is
-``grafana/prometheus/rules/mfuwatch-fleet.rules.yml``.
+Alerts (the names of issue 18, shared with the per-rank rules of the alert
+config; ``docs/fleet.md`` says which path raises which):
+
+``StragglerRank{kind="chronic"}``  a rank slower than the fastest by ``straggler_ratio`` for ``straggler_for``
+``StragglerRank{kind="one_off"}``  one report interval at ``one_off_ratio`` × the fastest rank's mean, not chronic
+``InputBoundRank``                 a rank whose input-wait share is above ``input_wait_share`` and
+                                   ``input_wait_factor`` × the job's least-waiting rank's, for ``input_wait_for``
+                                   (synchronous data parallel hides it from step times: every rank's step waits)
+``TrainingStalled{kind="fleet"}``  a rank without a step for ``stalled_seconds``; the notification says how
+                                   many steps it is behind and where its training thread waits, from the hang
+                                   watchdog's ``mfuwatch_hang_info``
+``GoodputLow``                     job goodput below ``goodput_threshold`` for ``goodput_for``
+
+Rank alerts carry the ``host`` label (joined from ``mfuwatch_run_info``). The
+shipped file is ``grafana/prometheus/rules/mfuwatch-fleet.rules.yml``.
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ class FleetRuleConfig:
     stalled_seconds: float = 300.0
     goodput_threshold: float = 0.8
     goodput_for_seconds: float = 1800.0
+    # input-wait share of wall time (rate window `window_seconds`): 10% is where a loader starts to cost a
+    # synchronous job real time, and 3x the least-waiting rank separates one slow loader from a job-wide stall
+    input_wait_share: float = 0.1
+    input_wait_factor: float = 3.0
+    input_wait_for_seconds: float = 600.0
     interval_seconds: float = 0.0  # rule group interval; 0 = the engine's global evaluation interval
 
 
@@ -87,6 +99,10 @@ def recording_rules(c: FleetRuleConfig) -> list:
         {"record": "rank:mfuwatch_steps_behind_leader:count",
          "expr": f"max by (job, run) ({M.STEPS_TOTAL}) - on (job, run) group_right () "
                  f"sum by (job, run, rank) ({M.STEPS_TOTAL})"},
+        # the rank's wall time waiting for its next batch (goodput bucket input_wait) over all its wall time
+        {"record": "rank:mfuwatch_input_wait:ratio",
+         "expr": f'sum by (job, run, rank) (rate({gp}{{bucket="input_wait"}}[{w}])) / '
+                 f"sum by (job, run, rank) (rate({gp}[{w}]) > 0)"},
         {"record": "rank:mfuwatch_goodput:ratio",
          "expr": f'sum by (job, run, rank) (rate({gp}{{bucket="productive"}}[{gw}])) / '
                  f"sum by (job, run, rank) (rate({gp}[{gw}]))"},
@@ -107,36 +123,62 @@ _WHERE = ('{{ with printf "mfuwatch_hang_info{job=%q,run=%q,rank=%q}" $labels.jo
           'this step stuck yet){{ end }}')
 
 
+def _input_min(window: str) -> str:
+    """Go template: the input-wait share of the job's least-waiting rank (raw expression, see ``_BEHIND``)."""
+    gp = M.GOODPUT_SECONDS_TOTAL
+    q = (f'min(sum by (rank) (rate({gp}{{job=%q,run=%q,bucket=\\"input_wait\\"}}[{window}])) / '
+         f'sum by (rank) (rate({gp}{{job=%q,run=%q}}[{window}]) > 0))')
+    return ('{{ with printf "' + q + '" $labels.job $labels.run $labels.job $labels.run | query }}'
+            '{{ with first . }}{{ .Value | humanizePercentage }}{{ end }}{{ else }}unknown{{ end }}')
+
+
 def alerting_rules(c: FleetRuleConfig) -> list:
     """The fleet alerts."""
-    ratio, one_off = c.straggler_ratio, c.one_off_ratio
+    ratio, one_off, w = c.straggler_ratio, c.one_off_ratio, _d(c.window_seconds)
     chronic_expr = f"(rank:mfuwatch_step_time_vs_fastest:ratio > {ratio:g}) * {_HOST}"
-    one_off_expr = (f"(max_over_time({M.LAST_STEP_DURATION_SECONDS}[{_d(c.window_seconds)}]) / on (job, run) "
+    one_off_expr = (f"(max_over_time({M.LAST_STEP_DURATION_SECONDS}[{w}]) / on (job, run) "
                     f"group_left () min by (job, run) (rank:mfuwatch_step_seconds:mean) > {one_off:g}) "
                     f"unless on (job, run, rank) (rank:mfuwatch_step_time_vs_fastest:ratio > {ratio:g})")
     stalled_expr = f"(time() - {M.LAST_STEP_TIMESTAMP_SECONDS} > {c.stalled_seconds:g}) * {_HOST}"
+    share, factor = c.input_wait_share, c.input_wait_factor
+    input_expr = (f"(rank:mfuwatch_input_wait:ratio > {share:g} and rank:mfuwatch_input_wait:ratio > on (job, run) "
+                  f"group_left () ({factor:g} * min by (job, run) (rank:mfuwatch_input_wait:ratio))) * {_HOST}")
     rules = [
-        {"alert": "StragglerRankChronic", "expr": chronic_expr, "for": _d(c.straggler_for_seconds),
-         "labels": {"severity": "warning", "pattern": "chronic"},
+        {"alert": "StragglerRank", "expr": chronic_expr, "for": _d(c.straggler_for_seconds),
+         "labels": {"severity": "warning", "kind": "chronic"},
          "annotations": {
              "summary": "Rank {{ $labels.rank }} on {{ $labels.host }} is a chronic straggler of run {{ $labels.run }}: "
                         "step time {{ $value | printf \"%.2f\" }}x the fastest rank's",
              "description": f"For {_d(c.straggler_for_seconds)} this rank's mean step time over "
-                            f"{_d(c.window_seconds)} has stayed above {ratio:g}x the fastest rank's. Every "
+                            f"{w} has stayed above {ratio:g}x the fastest rank's. Every "
                             "synchronous step waits for it: check its GPU clocks and throttling, its host's load, "
                             "and its network link.",
              "runbook_url": f"{RUNBOOKS}/StragglerRank.md"}},
-        {"alert": "StragglerRankOneOff", "expr": f"({one_off_expr}) * {_HOST}",
-         "labels": {"severity": "info", "pattern": "one_off"},
+        {"alert": "StragglerRank", "expr": f"({one_off_expr}) * {_HOST}",
+         "labels": {"severity": "info", "kind": "one_off"},
          "annotations": {
              "summary": "Rank {{ $labels.rank }} on {{ $labels.host }} had slow steps in run {{ $labels.run }}: "
                         "{{ $value | printf \"%.2f\" }}x the fastest rank's mean (not sustained)",
-             "description": f"One report interval of this rank within {_d(c.window_seconds)} took more than "
+             "description": f"One report interval of this rank within {w} took more than "
                             f"{one_off:g}x the fastest rank's mean step time, but its mean is not above "
                             f"{ratio:g}x: a one-off (a garbage collection, a page fault storm, a slow batch).",
              "runbook_url": f"{RUNBOOKS}/StragglerRank.md"}},
-        {"alert": "TrainingStalledRank", "expr": stalled_expr,
-         "labels": {"severity": "critical"},
+        {"alert": "InputBoundRank", "expr": input_expr, "for": _d(c.input_wait_for_seconds),
+         "labels": {"severity": "warning"},
+         "annotations": {
+             "summary": "Rank {{ $labels.rank }} on {{ $labels.host }} waits for input {{ $value | humanizePercentage }} "
+                        "of its wall time in run {{ $labels.run }}; the job's least-waiting rank waits "
+                        + _input_min(w),
+             "description": f"For {_d(c.input_wait_for_seconds)} this rank has spent more than {share:.0%} of its "
+                            f"wall time over {w} between the end of a step and the next forward (goodput bucket "
+                            f"input_wait), over {factor:g}x the job's least-waiting rank. In synchronous data "
+                            "parallel the other ranks wait for it inside the gradient all-reduce, so every rank's "
+                            "step time grows alike and StragglerRank cannot name it. Check this rank's data loader "
+                            "(worker count, prefetch, its storage or network reads, CPU contention on its host) and "
+                            "whether its data shard is heavier than the others'.",
+             "runbook_url": f"{RUNBOOKS}/InputBoundRank.md"}},
+        {"alert": "TrainingStalled", "expr": stalled_expr,
+         "labels": {"severity": "critical", "kind": "fleet"},
          "annotations": {
              "summary": "Rank {{ $labels.rank }} on {{ $labels.host }} of run {{ $labels.run }} has made no step for "
                         "{{ $value | humanizeDuration }}; it is " + _BEHIND + " step(s) behind the leader",

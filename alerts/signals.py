@@ -17,7 +17,7 @@ import collections
 import statistics
 import threading
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
 from mfuwatch.agent.schema import M, GpuHealth, StepMeasurement, WindowMeasurement
 
@@ -133,6 +133,7 @@ class MeasurementStore:
         self._xid_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
         self._ecc_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
         self.stall_paused = 0  # fleet: open agent phases (eval, checkpoint): not a stall
+        self.hang: Optional[Dict[str, Any]] = None  # fleet: the hang watchdog's report of the current step
 
     # -- fleet: agent.phase() pauses the stalled-loop signal ------------------------------------
     def pause_stall(self) -> None:
@@ -147,6 +148,26 @@ class MeasurementStore:
             self.stall_paused = max(0, self.stall_paused - 1)
             if not self.stall_paused and self.last_step_at is not None:
                 self.last_step_at = now
+
+    # -- fleet: where a stuck training thread waits -------------------------------------------
+    def observe_hang(self, report: Optional[Mapping[str, Any]]) -> None:
+        """Hold the hang watchdog's report of the current step (``None``: the step ended, forget it).
+
+        ``report`` keys (as :func:`hang_context` reads them): ``where`` (innermost frame,
+        ``"path:line in function"``), ``stack`` (frames, outermost first), ``last_collective``
+        (str or ``None``), ``step`` (last completed step), ``elapsed_seconds``.
+
+        Raises:
+            TypeError, ValueError: a report whose fields are not of those types (nothing is stored).
+        """
+        hang = None if report is None else hang_context(report)
+        with self._lock:
+            self.hang = hang
+
+    def latest_hang(self) -> Optional[Dict[str, Any]]:
+        """The held hang report (trimmed by :func:`hang_context`), or ``None``."""
+        with self._lock:
+            return self.hang
 
     # -- feeding (training thread / agent threads) --------------------------------------------
     def observe_step(self, m: StepMeasurement) -> None:
@@ -250,6 +271,43 @@ class MeasurementStore:
 
 def _sum_since(events: Deque[Tuple[float, int]], since: float) -> float:
     return float(sum(n for t, n in events if t > since))
+
+
+#: Frames of a stuck training thread an alert carries (innermost first) and the length of each: enough to
+#: see the wait (a data loader's queue.get, a collective's wait, a lock) and its caller in the training
+#: script, short enough for a Slack section (3,000 characters) and a pager line.
+HANG_FRAMES = 8
+HANG_FRAME_CHARS = 160
+
+
+def _cut_left(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters from the left (a frame's end holds ``file:line in function``)."""
+    return text if len(text) <= limit else "…" + text[-(limit - 1):]
+
+
+def hang_context(report: Mapping[str, Any]) -> Dict[str, Any]:
+    """Where a stuck training thread waits, trimmed for an alert.
+
+    ``report`` has ``where`` (str), ``stack`` (list of ``"path:line in function"``, outermost first) and
+    optionally ``last_collective`` (str or None), ``step`` (int), ``elapsed_seconds`` (float), ``source``
+    (str: who took the stack). Returns ``{"where", "frames", "last_collective", "step", "elapsed_seconds",
+    "source"}`` with ``frames`` the innermost :data:`HANG_FRAMES` frames, innermost first, each at most
+    :data:`HANG_FRAME_CHARS` characters.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type.
+    """
+    stack = [str(f) for f in (report.get("stack") or [])]
+    where = str(report.get("where") or (stack[-1] if stack else "unknown"))
+    collective = report.get("last_collective")
+    step = report.get("step")
+    elapsed = report.get("elapsed_seconds")
+    return {"where": _cut_left(where, HANG_FRAME_CHARS),
+            "frames": [_cut_left(f, HANG_FRAME_CHARS) for f in reversed(stack[-HANG_FRAMES:])],
+            "last_collective": None if collective in (None, "") else _cut_left(str(collective), HANG_FRAME_CHARS),
+            "step": None if step is None else int(step),
+            "elapsed_seconds": None if elapsed is None else float(elapsed),
+            "source": str(report.get("source") or "hang_watchdog")}
 
 
 def suggestion_rows(window: Optional[WindowMeasurement], limit: int = 3) -> List[dict]:

@@ -15,7 +15,8 @@ Parts (``--parts``, comma-separated; default all):
 ``straggler``  DDP; after a fast phase one rank sleeps 30% of the median step in its input pipeline. Per rank:
                the in-process straggler score, the goodput input-wait share and the step time; with Debian's
                ``prometheus`` on the PATH, a real Prometheus server scraping every rank through the agents'
-               file_sd targets evaluates the fleet rules (short windows) and is asked for ``StragglerRankChronic``.
+               file_sd targets evaluates the fleet rules (short windows) and is asked for ``StragglerRank``
+               (``kind="chronic"``, which synchronous DDP hides) and ``InputBoundRank`` (which names the rank).
 ``hang``       DDP; one rank stops (sleeps) just before the per-step loss ``all_reduce``. The hang watchdogs
                (short floor via config) report where each training thread waits; the rank not waiting in a
                collective is the one named.
@@ -320,7 +321,7 @@ class Prometheus:
         work.mkdir(parents=True, exist_ok=True)
         (work / "fleet.rules.yml").write_text(render_fleet(
             window_seconds=window, goodput_window_seconds=window, straggler_for_seconds=straggler_for,
-            stalled_seconds=30.0, goodput_threshold=0.5, goodput_for_seconds=60.0))
+            stalled_seconds=30.0, goodput_threshold=0.5, goodput_for_seconds=60.0, input_wait_for_seconds=straggler_for))
         (work / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
             "rule_files": [str(work / "fleet.rules.yml")],
@@ -427,8 +428,9 @@ def part_straggler(ctx: Ctx) -> bool:
     if ctx.rank == 0:
         if prom_bin:
             alerted = firing.get("alerted", [])
-            text += (f"\n\nPrometheus ({firing.get('targets')} targets up; 10 s windows, for 5 s): StragglerRankChronic "
-                     f"firing for ranks {alerted or 'none'}; rank:mfuwatch_step_time_vs_fastest:ratio "
+            text += (f"\n\nPrometheus ({firing.get('targets')} targets up; 10 s windows, for 5 s): StragglerRank "
+                     f"(kind=chronic) firing for ranks {alerted or 'none'}; InputBoundRank firing for ranks "
+                     f"{firing.get('input_bound') or 'none'}; rank:mfuwatch_step_time_vs_fastest:ratio "
                      f"{ {k: round(v, 3) for k, v in firing['ratio_by_rank'].items()} }; input-wait share over 10 s "
                      f"{ {k: round(v, 3) for k, v in firing['input_wait_by_rank'].items()} }.")
         else:
@@ -444,16 +446,20 @@ def part_straggler(ctx: Ctx) -> bool:
 
 def watch_prometheus(prom: Prometheus, job: str, seconds: float, stop: threading.Event, out: Dict[str, Any]) -> None:
     """Rank 0's thread: from 15 s into the slow phase (10 s window + 5 s ``for``) until ``stop``, keep the latest
-    firing ``StragglerRankChronic`` ranks, the recorded step-time ratios and the input-wait shares per rank."""
+    firing ``StragglerRank{kind="chronic"}`` and ``InputBoundRank`` ranks, the recorded step-time ratios and the
+    input-wait shares per rank."""
     t0 = time.monotonic()
-    out.update(alerted=[], ratio_by_rank={}, input_wait_by_rank={}, targets=0)
+    out.update(alerted=[], input_bound=[], ratio_by_rank={}, input_wait_by_rank={}, targets=0)
     while not stop.wait(1.0):
         if time.monotonic() - t0 < min(15.0, 0.6 * seconds):
             continue
         out["targets"] = sum(1 for r in prom.query('up{job="mfuwatch"}') if r["value"][1] == "1")
         alerted = sorted(a["metric"].get("rank") for a in prom.query(
-            f'ALERTS{{alertname="StragglerRankChronic",alertstate="firing",job="{job}"}}'))
+            f'ALERTS{{alertname="StragglerRank",kind="chronic",alertstate="firing",job="{job}"}}'))
         out["alerted"] = sorted(set(out["alerted"]) | set(alerted))
+        bound = sorted(a["metric"].get("rank") for a in prom.query(
+            f'ALERTS{{alertname="InputBoundRank",alertstate="firing",job="{job}"}}'))
+        out["input_bound"] = sorted(set(out["input_bound"]) | set(bound))
         ratio = {r["metric"].get("rank"): float(r["value"][1]) for r in prom.query(
             f'rank:mfuwatch_step_time_vs_fastest:ratio{{job="{job}"}}')}
         wait = {r["metric"].get("rank"): float(r["value"][1]) for r in prom.query(

@@ -42,6 +42,10 @@ def alert_lines(a: AlertSnapshot) -> List[str]:
         lines.append("  " + a.annotations["summary"])
     if a.value is not None:
         lines.append(f"  value {format_number(a.value, a.unit)} (threshold {a.op} {format_number(a.threshold, a.unit)})")
+    hang = a.context.get("hang")
+    if hang:  # a stall: where the training thread waits, innermost frame first
+        lines.append("  waiting at: " + a.annotations.get("waiting_at", hang.get("where", "")))
+        lines.extend("    " + f for f in hang.get("frames", [])[1:])
     suggestions = list(a.context.get("suggestions") or [])
     shown = suggestions[:1]
     if shown and shown[0].get("kind") != "bundled":  # also name the bundled drop-in when there is one

@@ -7,6 +7,7 @@ One message per notification (a group of alerts of one run)::
     section  fields: Run, Rank, Host, Value (threshold), Since
     section  top memory-bound ops and their share (a small monospace table)
     section  suggested fix: kernel, title, the exact line that applies it, expected gain
+    section  (a stall) where the training thread waits: its innermost frames
     context  Runbook · Grafana dashboard filtered to the run
     divider
 
@@ -55,7 +56,7 @@ def _link(url: str, label: str) -> str:
 
 
 def alert_blocks(a: AlertSnapshot) -> List[Dict[str, Any]]:
-    """The blocks of one alert (at most 6)."""
+    """The blocks of one alert (at most 6: a stall's frames come instead of the ops and fix sections)."""
     lab = a.labels
     state = "resolved" if a.status == "resolved" else a.severity
     emoji = ":white_check_mark:" if a.status == "resolved" else _EMOJI.get(a.severity, "")
@@ -70,6 +71,12 @@ def alert_blocks(a: AlertSnapshot) -> List[Dict[str, Any]]:
     fields.append(f"*{'Resolved' if a.status == 'resolved' else 'Firing since'}*\n"
                   f"{_utc(a.ends_at if a.status == 'resolved' and a.ends_at else a.starts_at)}")
     blocks.append({"type": "section", "fields": [_md(f, MAX_FIELD_TEXT) for f in fields[:MAX_FIELDS]]})
+    hang = a.context.get("hang")
+    if hang and a.status == "firing":  # a stall: where the training thread waits, innermost frame first
+        text = f"*Training thread waits at* `{esc(a.annotations.get('waiting_at', hang.get('where', '')))}`"
+        if hang.get("frames"):
+            text += "\n```" + esc("\n".join(hang["frames"])) + "```"
+        blocks.append({"type": "section", "text": _md(text)})
     ops = a.context.get("top_ops") or []
     if ops and a.status == "firing":
         width = min(48, max(len(o["op"]) for o in ops))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -132,3 +133,71 @@ def test_agent_records_the_hang_in_timeline_and_metrics(tmp_path):
     assert len(line) == 1 and 'job="hang"' in line[0] and line[0].endswith(" 1.0")
     assert agent.registry.get_sample_value("mfuwatch_hangs_total", {"run": "hang", "rank": "0"}) == 1
     assert torch.is_tensor(torch.zeros(1))  # the process is alive and well
+
+
+# -- the in-process TrainingStalled alert says where the training thread waits -------------------------------
+def stuck_waiting_for_batch(seconds: float) -> None:  # the training thread's stall in the tests below
+    time.sleep(seconds)
+
+
+def _stall_agent(tmp_path, monkeypatch, rx, **extra):
+    monkeypatch.setenv("MFUWATCH_TEST_HOOK", rx.url + "/webhook")
+    monkeypatch.setenv("MFUWATCH_TEST_SLACK", rx.url + "/slack")
+    alerts = {"evaluation_interval": "1h", "watchdog_interval": "100ms", "notifiers": [
+        {"type": "webhook", "url_env": "MFUWATCH_TEST_HOOK", "backoff": "10ms", "send_resolved": False},
+        {"type": "slack", "url_env": "MFUWATCH_TEST_SLACK", "backoff": "10ms", "send_resolved": False},
+        {"type": "console", "stream": "log"}],
+        "rules": {"TrainingStalled": {"threshold": 1.2, "for": "0s"}}}
+    return Agent(config=dict(exporter=False, nvml=False, profile_every="off", alerts=alerts, run="stall",
+                             timeline=str(tmp_path / "tl.jsonl"), flops_per_step=1e9, report_every_steps=1,
+                             **extra))
+
+
+def _stall_and_collect(agent, rx, caplog, seconds: float = 2.5):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="mfuwatch.alerts")
+    for _ in range(8):
+        agent.step(tokens=10)
+        time.sleep(0.02)
+    stuck_waiting_for_batch(seconds)  # blocks this (the training) thread; the alert fires meanwhile
+    assert rx.wait_for_delivered(2, timeout=10), [d.path for d in rx.delivered]
+    agent.step(tokens=10)
+    agent.close()
+    hook = next(d.json for d in rx.delivered if d.path.endswith("/webhook"))
+    slack = next(d.json for d in rx.delivered if d.path.endswith("/slack"))
+    console = "\n".join(r.getMessage() for r in caplog.records if "TrainingStalled" in r.getMessage())
+    return hook["alerts"][0], slack, console
+
+
+def test_training_stalled_names_the_frame_from_the_hang_watchdog(tmp_path, monkeypatch, caplog):
+    from tests.helpers.receiver import AlertReceiver
+
+    with AlertReceiver() as rx:
+        # the watchdog judges the step stuck after 0.3 s, before the alert's 1.2 s
+        agent = _stall_agent(tmp_path, monkeypatch, rx, hang_factor=3.0, hang_floor_seconds=0.3)
+        alert, slack, console = _stall_and_collect(agent, rx, caplog)
+    assert alert["labels"]["alertname"] == "TrainingStalled" and alert["status"] == "firing"
+    where = alert["annotations"]["waiting_at"]
+    assert where.endswith("in stuck_waiting_for_batch") and "test_watchdog.py:" in where, where
+    frames = alert["annotations"]["stack"].splitlines()
+    assert frames[0] == where and any(f.endswith("in _stall_and_collect") for f in frames[1:]), frames
+    assert len(frames) <= 8
+    text = json.dumps(slack["blocks"])
+    assert "Training thread waits at" in text and "stuck_waiting_for_batch" in text
+    assert "waiting at: " + where in console and "in _stall_and_collect" in console, console
+    fired = [r for r in read_timeline(tmp_path / "tl.jsonl") if r["kind"] == "alert" and r["status"] == "firing"]
+    assert fired and fired[0]["annotations"]["waiting_at"] == where
+    assert [r["kind"] for r in read_timeline(tmp_path / "tl.jsonl")].count("hang") == 1
+
+
+def test_training_stalled_takes_the_stack_itself_without_the_hang_watchdog(tmp_path, monkeypatch, caplog):
+    from tests.helpers.receiver import AlertReceiver
+
+    with AlertReceiver() as rx:
+        agent = _stall_agent(tmp_path, monkeypatch, rx, hang_watchdog=False)
+        alert, slack, console = _stall_and_collect(agent, rx, caplog)
+    assert alert["annotations"]["waiting_at"].endswith("in stuck_waiting_for_batch"), alert["annotations"]
+    assert "stuck_waiting_for_batch" in json.dumps(slack["blocks"])
+    assert "stuck_waiting_for_batch" in console
+    assert not [r for r in read_timeline(tmp_path / "tl.jsonl") if r["kind"] == "hang"]  # no watchdog ran

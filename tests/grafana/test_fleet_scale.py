@@ -11,10 +11,13 @@ Checks, in order:
 1. every rank's series reach VictoriaMetrics with ``job``/``run``/``rank``, within the per-rank budget;
 2. job MFU recorded by vmalert (``job:mfuwatch_mfu:ratio``) equals the mean of the ranks' own MFU gauges
    within 1%, and the raw PromQL expression queried from VictoriaMetrics agrees with the recorded series;
-3. a straggler (rank 7 made 30% slower) raises ``StragglerRankChronic`` naming rank 7 and its host, and a
-   hang (rank 13 stops stepping) raises ``TrainingStalledRank`` naming rank 13, its host and the frame
-   its training thread waits in; each within its window/threshold + ``for`` + two scrape intervals +
-   the pipeline's own cadence (remote-write flush, rule evaluation, Alertmanager group wait);
+3. a straggler (rank 7 made 30% slower) raises ``StragglerRank{kind="chronic"}`` naming rank 7 and its
+   host, a hang (rank 13 stops stepping) raises ``TrainingStalled{kind="fleet"}`` naming rank 13, its host
+   and the frame its training thread waits in, and a slow input pipeline (rank 21 waits half of each
+   unchanged 0.1 s step for input) raises ``InputBoundRank`` naming rank 21 and its host; each within its
+   window/threshold + ``for`` + two scrape intervals + the pipeline's own cadence (remote-write flush,
+   rule evaluation, Alertmanager group wait). The three faults start together, so the third costs no
+   extra wall time;
 4. the memory (RSS from /proc) of Prometheus and VictoriaMetrics, written to ``test-artifacts/fleet_scale.json``
    for docs/fleet.md together with the fault-to-notification times.
 """
@@ -45,12 +48,13 @@ RANKS = 32
 STEP = 0.1
 FLOPS, PEAK = 2e10, 1e12  # MFU 0.2 at 0.1 s steps
 RUN, JOB = "fleet-scale", "fleet-scale-job"
-STRAGGLER, HUNG = 7, 13
+STRAGGLER, HUNG, INPUT_BOUND = 7, 13, 21
 SCRAPE = 1.0  # seconds
 EVAL = 1.0
 WINDOW = 10.0  # rate() window of the recording rules
 STRAGGLER_FOR = 5.0
-STALLED = 4.0  # TrainingStalledRank: seconds without a step
+STALLED = 4.0  # TrainingStalled: seconds without a step
+INPUT_FOR = 5.0  # InputBoundRank's for (its share is over the 10 s window)
 #: The pipeline's own cadence on top of the rule's condition: remote-write flush (1 s), vmalert's
 #: evaluation (1 s), Alertmanager's group wait (1 s) and the rank's report interval (10 steps = 1 s).
 PIPELINE = 4.0
@@ -128,7 +132,7 @@ def stack(tmp_path_factory):
                           "queue_config": {"batch_send_deadline": "500ms", "max_samples_per_send": 10000}}]}))
     (tmp / "fleet.rules.yml").write_text(render_fleet(
         window_seconds=WINDOW, goodput_window_seconds=WINDOW, straggler_for_seconds=STRAGGLER_FOR,
-        stalled_seconds=STALLED, goodput_threshold=0.5, goodput_for_seconds=30.0))
+        stalled_seconds=STALLED, goodput_threshold=0.5, goodput_for_seconds=30.0, input_wait_for_seconds=INPUT_FOR))
     (tmp / "alertmanager.yml").write_text(yaml.safe_dump({
         "route": {"receiver": "hook", "group_by": ["alertname", "rank"], "group_wait": "1s",
                   "group_interval": "1s", "repeat_interval": "1h"},
@@ -205,36 +209,50 @@ def test_32_ranks_job_mfu_stragglers_hangs_and_memory(stack):
     t_straggler = time.time()
     ranks[HUNG].send_signal(signal.SIGUSR2)
     t_hang = time.time()
+    ranks[INPUT_BOUND].send_signal(signal.SIGWINCH)
+    t_input = time.time()
 
-    def firing(name):
+    def firing(name, **labels):
         for req in rx.delivered:
             for a in req.json.get("alerts", []):
-                if a["labels"].get("alertname") == name and a["status"] == "firing":
+                if a["labels"].get("alertname") == name and a["status"] == "firing" and \
+                        all(a["labels"].get(k) == v for k, v in labels.items()):
                     return a, req.at
         return None
 
     hang_budget = STALLED + 2 * SCRAPE + PIPELINE
     straggler_budget = WINDOW + STRAGGLER_FOR + 2 * SCRAPE + PIPELINE
-    hang, hang_at = _wait("TrainingStalledRank", lambda: firing("TrainingStalledRank"), hang_budget + 30, procs)
-    strag, strag_at = _wait("StragglerRankChronic", lambda: firing("StragglerRankChronic"), straggler_budget + 30,
+    # the input-wait share (10% before, 50% after) crosses 3 x 10% once half of the window holds the new wait
+    input_budget = WINDOW + INPUT_FOR + 2 * SCRAPE + PIPELINE
+    hang, hang_at = _wait("TrainingStalled", lambda: firing("TrainingStalled", kind="fleet"), hang_budget + 30, procs)
+    strag, strag_at = _wait("StragglerRank", lambda: firing("StragglerRank", kind="chronic"), straggler_budget + 30,
                             procs)
+    inp, inp_at = _wait("InputBoundRank", lambda: firing("InputBoundRank"), input_budget + 30, procs)
     mono_now, wall_now = time.monotonic(), time.time()
     hang_delay = wall_now - (mono_now - hang_at) - t_hang
     strag_delay = wall_now - (mono_now - strag_at) - t_straggler
+    input_delay = wall_now - (mono_now - inp_at) - t_input
     memory = {pr.name: _rss_bytes(pr.p.pid) for pr in procs}
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / "fleet_scale.json").write_text(json.dumps({
         "ranks": RANKS, "series_per_rank": per_rank, "rss_bytes": memory, "scrape_interval_seconds": SCRAPE,
         "hang_to_notification_seconds": hang_delay, "straggler_to_notification_seconds": strag_delay,
         "hang_budget_seconds": hang_budget, "straggler_budget_seconds": straggler_budget,
+        "input_bound_to_notification_seconds": input_delay, "input_bound_budget_seconds": input_budget,
         "job_mfu_recorded": recorded, "mean_rank_mfu": mean_own, "job_goodput": goodput}, indent=1))
     assert hang["labels"]["rank"] == str(HUNG) and hang["labels"]["host"] == f"sim-node-{HUNG // 8}"
     assert "stuck_in_data_loader" in hang["annotations"]["description"], hang["annotations"]
     assert strag["labels"]["rank"] == str(STRAGGLER) and strag["labels"]["host"] == f"sim-node-{STRAGGLER // 8}"
-    assert strag["labels"]["pattern"] == "chronic"
-    others = {a["labels"]["rank"] for req in rx.delivered for a in req.json.get("alerts", [])
-              if a["labels"].get("alertname") in ("StragglerRankChronic", "TrainingStalledRank")}
-    assert others == {str(STRAGGLER), str(HUNG)}  # no other rank was named
+    assert inp["labels"]["rank"] == str(INPUT_BOUND) and inp["labels"]["host"] == f"sim-node-{INPUT_BOUND // 8}"
+    assert "least-waiting rank waits" in inp["annotations"]["summary"], inp["annotations"]
+    named = {}
+    for req in rx.delivered:
+        for a in req.json.get("alerts", []):
+            named.setdefault(a["labels"].get("alertname"), set()).add(a["labels"]["rank"])
+    # no other rank was named; the slow loader's step time did not change, so it is no StragglerRank
+    assert named.get("StragglerRank") == {str(STRAGGLER)} and named.get("TrainingStalled") == {str(HUNG)}, named
+    assert named.get("InputBoundRank") == {str(INPUT_BOUND)}, named
     assert hang_delay <= hang_budget, (hang_delay, hang_budget)
     assert strag_delay <= straggler_budget, (strag_delay, straggler_budget)
+    assert input_delay <= input_budget, (input_delay, input_budget)
     assert per_rank and per_rank[-1] <= 110, per_rank  # the documented budget (docs/fleet.md)

@@ -37,7 +37,7 @@ NOT_ON_DASHBOARDS = {
     M.MODEL_FLOPS_TOTAL: "read through the recorded job:mfuwatch_mfu:ratio (fleet rules)",
     M.HARDWARE_FLOPS_TOTAL: "read through the recorded job:mfuwatch_hfu:ratio (fleet rules)",
     M.STEP_SECONDS_TOTAL: "for sum/rate queries of other stores; the dashboards use the step-time histogram",
-    M.HANG_INFO: "has a series only while a step is stuck; the TrainingStalledRank notification shows its frame",
+    M.HANG_INFO: "has a series only while a step is stuck; the fleet TrainingStalled notification shows its frame",
 }
 #: Series recorded by the fleet rules (grafana/prometheus/rules/mfuwatch-fleet.rules.yml) the dashboards read.
 RECORDED = {r["record"] for r in recording_rules(FleetRuleConfig())}

@@ -9,7 +9,9 @@ start and a boundary per step on this (the "training") thread, intervals and rep
 Each step sleeps until its deadline (``step_seconds`` apart, so jitter does not accumulate), after an
 input wait of ``input_wait_ratio`` of the step. Signals change the loop: SIGUSR1 makes the steps 30%
 slower (a straggler), SIGUSR2 stops stepping inside :func:`stuck_in_data_loader` while the exporter keeps
-serving (a hang). Usage::
+serving (a hang), SIGWINCH makes half of each step's period an input wait at the same period (a slow data
+loader whose step time is unchanged, as in synchronous data parallel, where the other ranks' steps absorb
+it). Usage::
 
     python -m tests.helpers.fleet_rank --rank 3 --world 32 --run R --job J --sd-dir DIR --step-seconds 0.1
 """
@@ -35,7 +37,8 @@ except ImportError:  # pragma: no cover - before the move
     from mfuwatch.agent.integrations.distributed import FileSDTarget
 
 SLOWDOWN = 1.3
-state = {"slow": False, "hang": False}
+INPUT_BOUND_WAIT = 0.5  # share of the step period spent waiting for input after SIGWINCH
+state = {"slow": False, "hang": False, "input_bound": False}
 
 
 def stuck_in_data_loader() -> None:
@@ -61,6 +64,7 @@ def main() -> int:
     a = p.parse_args()
     signal.signal(signal.SIGUSR1, lambda *_: state.update(slow=True))
     signal.signal(signal.SIGUSR2, lambda *_: state.update(hang=True))
+    signal.signal(signal.SIGWINCH, lambda *_: state.update(input_bound=True))
     cfg = load_config(dict(run=a.run, job=a.job, rank=a.rank, world_size=a.world, local_rank=a.rank % a.ranks_per_node,
                            exporter=True, port=0, nvml=False, alerts=False, hang_factor=5.0, hang_floor_seconds=1.0,
                            goodput_warmup_steps=2, auto_checkpoint_phases=False))
@@ -90,7 +94,8 @@ def main() -> int:
             period = a.step_seconds * (SLOWDOWN if state["slow"] else 1.0)
             start = deadline
             deadline = start + period
-            time.sleep(max(0.0, start + period * a.input_wait_ratio - time.perf_counter()))  # input wait
+            wait = INPUT_BOUND_WAIT if state["input_bound"] else a.input_wait_ratio
+            time.sleep(max(0.0, start + period * wait - time.perf_counter()))  # input wait
             fleet.forward_start()
             time.sleep(max(0.0, deadline - time.perf_counter()))
             step += 1
