@@ -99,6 +99,7 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self._peak_warned = False
         self._run_info_dirty = False
         self._mfu_warned = False
+        self._last_progress: Optional[float] = None  # time.monotonic() of the last console progress line
         #: the GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)
         self.gpu_peaks: Optional[peaks.Peaks] = None
 
