@@ -87,14 +87,22 @@ class _ReportSums:
 class AgentThread:
     """Mixin of :class:`~mfuwatch.agent.core.Agent`: the agent thread's loop and its outputs.
 
-    Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``,
-    ``_last_gpu_write``, ``_last_progress`` and ``_mfu_warned``; runs until ``_stop`` is set, then reports once more.
+    Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``, ``_last_gpu_write``,
+    ``_last_progress``, ``_mfu_warned``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
+    watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs until ``_stop`` is set, then reports once more.
     """
 
     def _write(self, record: Dict[str, Any]) -> None:
-        """Append one timeline record; a failing disk is counted (``timeline``) and nothing else stops."""
+        """Append one timeline record (any thread; the timeline keeps timestamp order); a failing disk is
+        counted (``timeline``) and nothing else stops."""
         with self.errors.guard("timeline"):
             self.timeline.write(record)
+
+    def _run_record(self) -> Dict[str, Any]:
+        """The ``run`` timeline record of the facts known now (the timeline calls it when it writes it)."""
+        rec = to_record("run", self.run_info)
+        self._run_written = rec
+        return rec
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
@@ -104,12 +112,12 @@ class AgentThread:
     def _tick(self, final: bool) -> None:
         """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
         broken exporter is counted under its component while steps are still counted and alerts still fed."""
-        if self._run_info_dirty:  # dtype / peak settled after start: a later "run" record supersedes
-            self._run_info_dirty = False
-            self._write(to_record("run", self.run_info))
+        polled_at = time.time()
         intervals = []
         with self.errors.guard("clock"):
             intervals = self.clock.poll()
+        with self.errors.guard("timeline"):
+            self._settle_run_record(ready=bool(intervals) or final)
         for iv in intervals:
             with self.errors.guard("agent"):
                 self._absorb(iv)
@@ -120,6 +128,38 @@ class AgentThread:
             due = acc.steps > 0 and time.monotonic() - acc.start >= 10.0  # slow steps: at least every 10 s
             if due or (final and acc.steps > 0):
                 self._report(final=final)
+        with self.errors.guard("timeline"):
+            self.timeline.advance(self._watermark(polled_at))
+
+    def _settle_run_record(self, ready: bool) -> None:
+        """Write the run record once its facts settle: the first step completed, or the dtype known since the
+        previous tick (the peak is chosen in the same forward pre-hook, just after). Facts that change after
+        it (a peak learnt at a later report) go out as a later ``run`` record of the same run and rank."""
+        if self.timeline.header_pending:
+            if ready or self._dtype_seen:
+                self.timeline.write_header()
+            self._dtype_seen = self._dtype_key is not None
+            return
+        if self._run_info_dirty:
+            self._run_info_dirty = False
+            rec = to_record("run", self.run_info)
+            if rec != self._run_written:  # the same facts again (e.g. the dtype re-detected): nothing to add
+                self._run_written = rec
+                self._write(rec)
+
+    def _watermark(self, polled_at: float) -> Optional[float]:
+        """The earliest timestamp a step record still to come can have (unix seconds), or ``None`` = unknown.
+
+        Steps summed but not reported: their last boundary. Else, with no boundary left in the step clock,
+        the time of this poll (a later boundary is stamped after it). Else (steps still running on the
+        device) the watermark stays where the last report put it.
+        """
+        acc = self._acc
+        if acc.steps > 0 and acc.last is not None:
+            return acc.last.end_wall
+        if self.clock.pending == 0:
+            return polled_at
+        return None
 
     def _absorb(self, iv: Interval) -> None:
         acc = self._acc
@@ -168,7 +208,8 @@ class AgentThread:
         self.latest = m
         with self.errors.guard("exporter"):
             self.exporter.collector.update(step=m)
-        self._write(to_record("step", m))
+        with self.errors.guard("timeline"):  # after the records stamped before its last step, in time order
+            self.timeline.write_in_order(to_record("step", m))
         if self.alerts is not None:
             with self.errors.guard("alerts"):
                 self.alerts.observe_step(m)

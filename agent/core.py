@@ -100,6 +100,8 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self._run_info_dirty = False
         self._mfu_warned = False
         self._last_progress: Optional[float] = None  # time.monotonic() of the last console progress line
+        self._run_written: Optional[dict] = None  # the last "run" timeline record written
+        self._dtype_seen = False  # the agent thread saw the dtype known at its previous tick
         #: the GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)
         self.gpu_peaks: Optional[peaks.Peaks] = None
 
