@@ -89,7 +89,8 @@ class AgentThread:
 
     Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``, ``_last_gpu_write``,
     ``_last_progress``, ``_mfu_warned``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
-    watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs until ``_stop`` is set, then reports once more.
+    watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs
+    until ``_stop`` is set, then reports once more.
     """
 
     def _write(self, record: Dict[str, Any]) -> None:
