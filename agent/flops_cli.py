@@ -83,17 +83,16 @@ def _load_config(spec: str) -> Any:
         _check_model_type(mt, spec)
         return transformers.AutoConfig.for_model(mt, **data)
     if p.is_dir():
-        cfg_file = p / "config.json"
-        if cfg_file.is_file():
-            mt = json.loads(cfg_file.read_text()).get("model_type")
-            if mt:
-                _check_model_type(mt, str(cfg_file))
+        mt = transformers.PretrainedConfig.get_config_dict(str(p), local_files_only=True)[0].get("model_type")
+        if not mt:
+            raise ConfigNotFound(f"{p / 'config.json'}: no model_type in the config (e.g. \"model_type\": \"llama\")")
+        _check_model_type(mt, str(p / "config.json"))
         return transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
-    if spec.endswith(".json"):
-        raise ConfigNotFound(f"{spec}: no such file")
+    if spec.endswith(".json") or spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+        raise ConfigNotFound(f"{spec}: no such file or folder")  # a path, not an "org/name" model id
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download
     try:
-        return transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+        mt = transformers.PretrainedConfig.get_config_dict(spec, local_files_only=True)[0].get("model_type")
     except OSError:  # transformers' "couldn't connect ... check your internet connection": not our case
         raise ConfigNotFound(
             f"{spec!r} is not a file or folder here, and not in the local Hugging Face cache ({_cache_dir()}). "
@@ -101,6 +100,9 @@ def _load_config(spec: str) -> Any:
             f"instead: mfuwatch flops path/to/config.json (the model's config.json, e.g. saved from its "
             f"Hugging Face page), or a folder that holds config.json; or put it in the cache first with "
             f"`huggingface-cli download {spec} config.json`.") from None
+    if mt:
+        _check_model_type(mt, spec)
+    return transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
 
 
 def _auto_class(cfg: Any) -> Any:

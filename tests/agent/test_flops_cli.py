@@ -41,7 +41,9 @@ def test_a_model_id_not_in_the_cache_fails_with_one_line(tmp_path, capsys, monke
 
 def test_a_missing_json_file_says_so(tmp_path, capsys):
     assert flops_cli.main([str(tmp_path / "config.json")]) == 1
-    assert capsys.readouterr().err == f"mfuwatch flops: {tmp_path / 'config.json'}: no such file\n"
+    assert capsys.readouterr().err == f"mfuwatch flops: {tmp_path / 'config.json'}: no such file or folder\n"
+    assert flops_cli.main([str(tmp_path / "model")]) == 1
+    assert capsys.readouterr().err == f"mfuwatch flops: {tmp_path / 'model'}: no such file or folder\n"
 
 
 def test_an_unknown_model_type_names_the_closest_ones(tmp_path, capsys):
