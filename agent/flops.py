@@ -534,27 +534,6 @@ class FlopModel:
         return line + "\nuntracked ops (counted 0): " + (", ".join(untracked) if untracked else "none")
 
 
-def lengths_text(lengths: Any, family: str = "decoder", sequences: Optional[float] = None) -> str:
-    """``lengths`` (an ``architectures.Lengths``) in words for the breakdown text.
-
-    Without ``sequences``: ``"sequence length 2048"``, ``"encoder length 512, decoder length 128"``
-    (encoder-decoders), ``"197 tokens per image"`` (ViT: patches + class token). With ``sequences``
-    (images for a ViT): ``"4 sequences of 2048 tokens"``, ``"4 sequences of 512 encoder and 128 decoder
-    tokens"``, ``"4 images of 197 tokens"``.
-    """
-    if sequences is None:
-        if family == "vision":
-            return f"{lengths.target} tokens per image (patches + class token)"
-        if family == "encoder-decoder":
-            return f"encoder length {lengths.source}, decoder length {lengths.target}"
-        return f"sequence length {lengths.target}"
-    unit = "image" if family == "vision" else "sequence"
-    n = f"{sequences:g} {unit}{'' if sequences == 1 else 's'}"
-    if family == "encoder-decoder":
-        return f"{n} of {lengths.source} encoder and {lengths.target} decoder tokens"
-    return f"{n} of {lengths.target} tokens"
-
-
 def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
     """What made the FLOP number: the source, and for the analytic path the per-component table."""
     lines = [f"flops_source: {fm.source or 'none (MFU not reported)'}"]
@@ -574,6 +553,8 @@ def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_le
             return "\n".join(lines + ["no training forward seen yet: sequence length unknown"])
         units = fm.arch.units_per_sequence(lengths)
         seqs = (tokens_per_step / units) if (tokens_per_step and units) else 1.0
+        from .flops_cli import lengths_text
+
         what = lengths_text(lengths, fm.arch.family, seqs)
         lines.append(f"family: {fm.arch.family} ({fm.arch.model_type}); {what}")
         lines.append(describe(fm.arch, lengths, seqs))

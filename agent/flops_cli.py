@@ -55,6 +55,27 @@ def _transformers_version() -> str:
     return getattr(transformers, "__version__", "?")
 
 
+def lengths_text(lengths: Any, family: str = "decoder", sequences: Optional[float] = None) -> str:
+    """``lengths`` (an ``architectures.Lengths``) in words for the breakdown text.
+
+    Without ``sequences``: ``"sequence length 2048"``, ``"encoder length 512, decoder length 128"``
+    (encoder-decoders), ``"197 tokens per image"`` (ViT: patches + class token). With ``sequences``
+    (images for a ViT): ``"4 sequences of 2048 tokens"``, ``"4 sequences of 512 encoder and 128 decoder
+    tokens"``, ``"4 images of 197 tokens"``.
+    """
+    if sequences is None:
+        if family == "vision":
+            return f"{lengths.target} tokens per image (patches + class token)"
+        if family == "encoder-decoder":
+            return f"encoder length {lengths.source}, decoder length {lengths.target}"
+        return f"sequence length {lengths.target}"
+    unit = "image" if family == "vision" else "sequence"
+    n = f"{sequences:g} {unit}{'' if sequences == 1 else 's'}"
+    if family == "encoder-decoder":
+        return f"{n} of {lengths.source} encoder and {lengths.target} decoder tokens"
+    return f"{n} of {lengths.target} tokens"
+
+
 def _cache_dir() -> str:
     try:
         from huggingface_hub import constants
@@ -262,7 +283,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.model is None:
         ap.error("the model argument is required (a config.json, a model folder or a cached model id)")
     from . import architectures as A
-    from .flops import lengths_text
 
     try:
         cfg = _load_config(args.model)
