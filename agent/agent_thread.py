@@ -1,10 +1,11 @@
 """The agent thread: polls the step clock, sums intervals, reports one measurement per ``report_every_steps``.
 
 A report turns the summed intervals into a :class:`StepMeasurement` (MFU, HFU, tokens/s,
-step time) and hands it to the exporter, the timeline and the alert engine; NVML samples
-and profiler windows arrive here too. Each output has its own guard: a failing one is
-counted under its component (``exporter``, ``timeline``, ``alerts``, ``fleet``) and the
-others go on.
+step time) and hands it to the exporter, the timeline, the alert engine and, when the
+exporter is off (config ``progress``), a one-line console summary (:func:`progress_line`);
+NVML samples and profiler windows arrive here too. Each output has its own guard: a failing
+one is counted under its component (``exporter``, ``timeline``, ``alerts``, ``fleet``,
+``progress``) and the others go on.
 
 MFU = model FLOPs per step / step time / peak FLOP/s of one GPU for the training dtype
 (PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs (recomputation included).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
@@ -24,6 +26,44 @@ from .clock import Interval
 from .schema import GpuHealth, StepMeasurement, WindowMeasurement, to_record
 
 log = logging.getLogger("mfuwatch")
+#: the console progress line's logger; with logging unconfigured its lines go to stderr (:func:`emit_progress`)
+progress_log = logging.getLogger("mfuwatch.progress")
+#: seconds between two progress lines at least (the final report's line is always printed): a line per
+#: report would be ten a second with fast steps
+PROGRESS_MIN_SECONDS = 10.0
+_stderr_handler = logging.StreamHandler(sys.stderr)
+_stderr_handler.setFormatter(logging.Formatter("%(message)s"))
+
+
+def progress_line(m: StepMeasurement, window: Optional[WindowMeasurement] = None) -> str:
+    """One compact console line for a report: step, MFU, tokens/s, step time, memory-bound share.
+
+    ``m.mfu`` ``None`` (no peak FLOP/s) prints ``MFU n/a``; the memory-bound share is that of the
+    latest profiler ``window`` (GPU time in memory-bound kernels / busy time), omitted before the first.
+    """
+    mfu = f"MFU {m.mfu * 100:.1f}%" if m.mfu is not None else "MFU n/a"
+    st = m.step_time_seconds
+    step_time = f"{st * 1e3:.1f} ms" if st < 1.0 else f"{st:.2f} s"
+    parts = [f"mfuwatch: step {m.step}", mfu, f"{m.tokens_per_second:,.0f} tokens/s", f"step {step_time}"]
+    if window is not None:
+        parts.append(f"memory-bound {window.memory_bound_share * 100:.0f}% (window at step {window.step})")
+    return " | ".join(parts)
+
+
+def emit_progress(text: str) -> None:
+    """Log ``text`` at INFO on ``mfuwatch.progress``. When logging is not configured (no handler on the
+    logger or its ancestors) the line is written to stderr directly, since Python's last-resort handler
+    shows only warnings; a level above INFO set on ``mfuwatch`` or ``mfuwatch.progress`` silences it."""
+    if progress_log.hasHandlers():
+        progress_log.info(text)
+        return
+    for name in ("mfuwatch.progress", "mfuwatch"):
+        level = logging.getLogger(name).level
+        if level != logging.NOTSET:
+            if level > logging.INFO:
+                return
+            break
+    _stderr_handler.handle(progress_log.makeRecord(progress_log.name, logging.INFO, __file__, 0, text, (), None))
 
 
 @dataclass
@@ -47,14 +87,23 @@ class _ReportSums:
 class AgentThread:
     """Mixin of :class:`~mfuwatch.agent.core.Agent`: the agent thread's loop and its outputs.
 
-    Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``,
-    ``_last_gpu_write`` and ``_mfu_warned``; runs until ``_stop`` is set, then reports once more.
+    Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``, ``_last_gpu_write``,
+    ``_last_progress``, ``_mfu_warned``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
+    watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs
+    until ``_stop`` is set, then reports once more.
     """
 
     def _write(self, record: Dict[str, Any]) -> None:
-        """Append one timeline record; a failing disk is counted (``timeline``) and nothing else stops."""
+        """Append one timeline record (any thread; the timeline keeps timestamp order); a failing disk is
+        counted (``timeline``) and nothing else stops."""
         with self.errors.guard("timeline"):
             self.timeline.write(record)
+
+    def _run_record(self) -> Dict[str, Any]:
+        """The ``run`` timeline record of the facts known now (the timeline calls it when it writes it)."""
+        rec = to_record("run", self.run_info)
+        self._run_written = rec
+        return rec
 
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
@@ -64,12 +113,12 @@ class AgentThread:
     def _tick(self, final: bool) -> None:
         """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
         broken exporter is counted under its component while steps are still counted and alerts still fed."""
-        if self._run_info_dirty:  # dtype / peak settled after start: a later "run" record supersedes
-            self._run_info_dirty = False
-            self._write(to_record("run", self.run_info))
+        polled_at = time.time()
         intervals = []
         with self.errors.guard("clock"):
             intervals = self.clock.poll()
+        with self.errors.guard("timeline"):
+            self._settle_run_record(ready=bool(intervals) or final)
         for iv in intervals:
             with self.errors.guard("agent"):
                 self._absorb(iv)
@@ -79,7 +128,39 @@ class AgentThread:
             acc = self._acc
             due = acc.steps > 0 and time.monotonic() - acc.start >= 10.0  # slow steps: at least every 10 s
             if due or (final and acc.steps > 0):
-                self._report()
+                self._report(final=final)
+        with self.errors.guard("timeline"):
+            self.timeline.advance(self._watermark(polled_at))
+
+    def _settle_run_record(self, ready: bool) -> None:
+        """Write the run record once its facts settle: the first step completed, or the dtype known since the
+        previous tick (the peak is chosen in the same forward pre-hook, just after). Facts that change after
+        it (a peak learnt at a later report) go out as a later ``run`` record of the same run and rank."""
+        if self.timeline.header_pending:
+            if ready or self._dtype_seen:
+                self.timeline.write_header()
+            self._dtype_seen = self._dtype_key is not None
+            return
+        if self._run_info_dirty:
+            self._run_info_dirty = False
+            rec = to_record("run", self.run_info)
+            if rec != self._run_written:  # the same facts again (e.g. the dtype re-detected): nothing to add
+                self._run_written = rec
+                self._write(rec)
+
+    def _watermark(self, polled_at: float) -> Optional[float]:
+        """The earliest timestamp a step record still to come can have (unix seconds), or ``None`` = unknown.
+
+        Steps summed but not reported: their last boundary. Else, with no boundary left in the step clock,
+        the time of this poll (a later boundary is stamped after it). Else (steps still running on the
+        device) the watermark stays where the last report put it.
+        """
+        acc = self._acc
+        if acc.steps > 0 and acc.last is not None:
+            return acc.last.end_wall
+        if self.clock.pending == 0:
+            return polled_at
+        return None
 
     def _absorb(self, iv: Interval) -> None:
         acc = self._acc
@@ -96,7 +177,7 @@ class AgentThread:
         if self.fleet is not None:  # fleet: FLOP and step-time counters, straggler score
             with self.errors.guard("fleet"):
                 self.fleet.on_interval(iv.steps, iv.seconds, iv.tokens, self.flops_per_step)
-    def _report(self) -> None:
+    def _report(self, final: bool = False) -> None:
         acc, self._acc = self._acc, _ReportSums()
         last: Interval = acc.last
         loss = last.loss
@@ -128,10 +209,27 @@ class AgentThread:
         self.latest = m
         with self.errors.guard("exporter"):
             self.exporter.collector.update(step=m)
-        self._write(to_record("step", m))
+        with self.errors.guard("timeline"):  # after the records stamped before its last step, in time order
+            self.timeline.write_in_order(to_record("step", m))
         if self.alerts is not None:
             with self.errors.guard("alerts"):
                 self.alerts.observe_step(m)
+        with self.errors.guard("progress"):
+            self._progress(m, final)
+
+    def _progress(self, m: StepMeasurement, final: bool) -> None:
+        """The console line of this report: config ``progress`` true, or ``"auto"`` when no exporter serves
+        ``/metrics`` (off, or it failed to start: nothing else shows a sign of life then); at most one per
+        :data:`PROGRESS_MIN_SECONDS`, and the final report's line always."""
+        on = self.config.progress
+        if on is False or (on == "auto" and getattr(self, "exporter_url", "")):
+            return
+        now = time.monotonic()
+        last = self._last_progress
+        if not final and last is not None and now - last < PROGRESS_MIN_SECONDS:
+            return
+        self._last_progress = now
+        emit_progress(progress_line(m, self.latest_window))
 
     def _on_gpu_sample(self, sample: GpuHealth) -> None:
         with self.errors.guard("exporter"):

@@ -2,7 +2,9 @@
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this
 dispatcher imports only the one asked for, so ``mfuwatch analyze`` and
-``mfuwatch alerts`` start without importing torch.
+``mfuwatch alerts`` start without importing torch. ``mfuwatch alerts`` is handed the
+agent's config validation (:func:`agent_side`): this layer may import both packages,
+``mfuwatch.alerts`` never imports the agent.
 """
 
 from __future__ import annotations
@@ -28,6 +30,29 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def agent_side():
+    """The agent's settings and validation for ``mfuwatch alerts`` (an :class:`~mfuwatch.alerts.cli.AgentSide`).
+
+    ``validate(path)`` is the agent's own start-up validation (:func:`mfuwatch.agent.config.load_config`),
+    raising :class:`~mfuwatch.agent.config.ConfigError` (a ``ValueError``); importing it loads no torch.
+    """
+    from mfuwatch.alerts.cli import AgentSide
+
+    def setting_names() -> set:
+        import dataclasses
+
+        from .config import AgentConfig
+
+        return {f.name for f in dataclasses.fields(AgentConfig)}
+
+    def validate(path: str) -> None:
+        from .config import load_config
+
+        load_config(path)
+
+    return AgentSide(setting_names=setting_names, validate=validate)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Dispatch to a subcommand; returns its exit code (2 for usage errors)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -48,6 +73,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     mod = importlib.import_module(COMMANDS[cmd][0])
+    if cmd == "alerts":
+        return int(mod.main(rest, agent=agent_side()) or 0)
     return int(mod.main(rest) or 0)
 
 

@@ -25,6 +25,7 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: Upper bounds of the profiler window: Kineto buffers every event of the recorded steps in memory, so
 #: memory grows with them; 50 steps is already minutes of a large job.
 MAX_PROFILE_STEPS = 50
+PROGRESS = ("auto", True, False)  # the console progress line (agent_thread.progress_line)
 ATTENTION_FLOPS = ("full", "causal")  # conventions for the attention-score FLOPs (docs/flops.md)
 
 
@@ -65,6 +66,7 @@ class AgentConfig:
 
     run: str = ""  # run label on every series; "" = $MFUWATCH_RUN or "<host>-<pid>"
     exporter: bool = True  # serve /metrics over HTTP
+    progress: Any = "auto"  # console line per report: "auto" = only when the exporter is off (else nothing shows life)
     port: int = 9478  # base port (+ LOCAL_RANK); 9400 is dcgm-exporter's, 9100 node_exporter's, 9464 OpenTelemetry's
     bind: str = "127.0.0.1"  # loopback by default: metrics of a training job are not for the whole network
     tls_certfile: Optional[str] = None
@@ -177,6 +179,9 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     _check_type("exporter", cfg.exporter, (bool,), "true or false")
+    if cfg.progress not in PROGRESS or not isinstance(cfg.progress, (bool, str)):
+        raise ConfigError(f"progress: expected 'auto' (a console line per report when the exporter is off), "
+                          f"true or false, got {cfg.progress!r}")
     _check_type("port", cfg.port, (int,), "an integer port 0..65535 (0 = any free port)")
     if not 0 <= cfg.port <= 65535:
         raise ConfigError(f"port: expected 0..65535 (0 = any free port), got {cfg.port}")

@@ -99,6 +99,9 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self._peak_warned = False
         self._run_info_dirty = False
         self._mfu_warned = False
+        self._last_progress: Optional[float] = None  # time.monotonic() of the last console progress line
+        self._run_written: Optional[dict] = None  # the last "run" timeline record written
+        self._dtype_seen = False  # the agent thread saw the dtype known at its previous tick
         #: the GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)
         self.gpu_peaks: Optional[peaks.Peaks] = None
 
@@ -143,14 +146,14 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
         return self.flop_model.flops_per_step(tokens_per_step, self._seq_len)
 
-    def flops_breakdown(self, print_it: bool = True, count: bool = False) -> str:
+    def flops_breakdown(self, print_it: bool = False, count: bool = False) -> str:
         """The FLOP number explained: source, per-component FLOPs of one step and the formula of each.
 
         Uses the latest report's tokens per step (one sequence before the first report).
         ``count=True`` adds FlopCounterMode's count of one step of the model rebuilt from its
         Hugging Face config on the meta device (no memory, no compute; adapters added after
         loading are not in the rebuild) and the compute ops that counted 0. Call it off the hot
-        path. Returns the text; prints it too unless ``print_it`` is false.
+        path. Returns the text (``print(agent.flops_breakdown())`` shows it); ``print_it=True`` also prints it.
         """
         m = self.latest
         tokens = m.tokens / m.steps if (m is not None and m.steps) else None

@@ -553,7 +553,10 @@ def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_le
             return "\n".join(lines + ["no training forward seen yet: sequence length unknown"])
         units = fm.arch.units_per_sequence(lengths)
         seqs = (tokens_per_step / units) if (tokens_per_step and units) else 1.0
-        lines.append(f"family: {fm.arch.family} ({fm.arch.model_type}); {seqs:g} sequences of {lengths}")
+        from .flops_cli import lengths_text
+
+        what = lengths_text(lengths, fm.arch.family, seqs)
+        lines.append(f"family: {fm.arch.family} ({fm.arch.model_type}); {what}")
         lines.append(describe(fm.arch, lengths, seqs))
         lines += fm.arch.notes
         return "\n".join(lines)

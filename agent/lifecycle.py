@@ -24,7 +24,6 @@ from .agent_thread import _ReportSums
 from .clock import StepClock
 from .config import ConfigError
 from .fleet import FleetAccounting
-from .schema import to_record
 from .timeline import Timeline
 
 log = logging.getLogger("mfuwatch")
@@ -82,7 +81,9 @@ class Lifecycle:
         self._start_profiler()
 
         self._install_hooks(model, optimizer)
-        self._write(to_record("run", self.run_info))
+        # the run record goes first once the dtype and peak settle (the first forward); the timeline holds
+        # what comes before it, such as the attempt record (agent/timeline.py)
+        self.timeline.start_header(self._run_record)
         if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
             self._write(self.fleet.attempt_record())
         self._run_info_dirty = False

@@ -11,7 +11,10 @@
 config without that key, such as the README's ``bind: …`` file, means the built-in rules).
 Without ``--config`` the file named by ``$MFUWATCH_CONFIG`` is read, as the agent does.
 ``check`` also reads every notifier's secret (never printing it), so an unset
-``url_env`` variable fails here rather than when the agent starts.
+``url_env`` variable fails here rather than when the agent starts; run as ``mfuwatch alerts``
+it validates an agent config's own settings too, with the agent's validation (handed in as
+:class:`AgentSide` by ``mfuwatch.agent.cli``: this package never imports the agent).
+A top-level key that is close to ``alerts`` (``alert:``) is an error that says so.
 Exit status: 0 on success, 2 for an invalid config, 1 when a test notification
 could not be delivered. Starts fast: imports neither torch nor the agent.
 """
@@ -22,12 +25,28 @@ import argparse
 import socket
 import sys
 import time
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Callable, Collection, List, Optional
 
 import yaml
 
-from .config import load_config
+from .config import load_config, near_alerts_key
 from .validation import AlertConfigError, format_duration
+
+
+@dataclass(frozen=True)
+class AgentSide:
+    """What ``mfuwatch alerts`` needs of the agent's configuration, handed in by the ``mfuwatch`` command
+    (``mfuwatch.agent.cli``, which may import both packages), so ``mfuwatch.alerts`` never imports the agent.
+
+    Attributes:
+        setting_names: returns the agent's top-level setting names (``alerts`` among them).
+        validate: validates the agent config file at the path it is given, as the agent does at start-up;
+            raises ``ValueError`` naming the field and the accepted values (the nearest key for an unknown one).
+    """
+
+    setting_names: Callable[[], Collection[str]]
+    validate: Callable[[str], None]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,11 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``mfuwatch alerts``; returns the exit status."""
+def main(argv: Optional[List[str]] = None, agent: Optional[AgentSide] = None) -> int:
+    """Entry point of ``mfuwatch alerts``; returns the exit status.
+
+    ``agent``: the agent's settings and validation (``mfuwatch.agent.cli`` passes them); without it an
+    agent config's own settings are not checked, only its ``alerts:`` key.
+    """
     args = _parser().parse_args(argv)
     try:
-        source = _source(args.config)
+        source = _source(args.config, agent, validate_agent=args.command == "check")
         cfg = load_config(source)
         if args.command == "check":
             return _check(cfg)
@@ -77,13 +100,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
 
-def _source(path: Optional[str]):
+def _source(path: Optional[str], agent: Optional[AgentSide] = None, validate_agent: bool = False):
     """The alert config source for ``--config`` (else ``$MFUWATCH_CONFIG``); ``None`` = the built-ins.
 
-    An agent config (its keys are agent settings) without an ``alerts:`` key yields ``None``.
+    A file whose top-level keys include alert settings (:data:`~.config.TOP_KEYS`) is an alert config;
+    one without is an agent config, whose alert rules sit under ``alerts:`` (none: the built-ins). With
+    ``agent`` and ``validate_agent`` an agent config's settings are validated by ``agent.validate``.
+
+    Raises:
+        AlertConfigError: alert settings beside agent settings (or beside ``alerts:``), a top-level key close
+            to ``alerts``, or (``validate_agent``) an invalid agent setting.
     """
     import os
     from pathlib import Path
+
+    from .config import TOP_KEYS
 
     path = path or os.environ.get("MFUWATCH_CONFIG") or None
     if path is None:
@@ -92,23 +123,32 @@ def _source(path: Optional[str]):
         doc = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return path  # load_config reports it with the field and file
-    if isinstance(doc, dict) and "alerts" not in doc and doc:
-        from .config import TOP_KEYS
-
-        agent_keys = _agent_setting_names()
-        if not set(doc) & set(TOP_KEYS) and set(doc) <= agent_keys:
-            print(f"{path}: an agent config without an `alerts:` key: the built-in rules apply", file=sys.stderr)
-            return None
-    return path
-
-
-def _agent_setting_names() -> set:
-    """The agent's setting names (dataclass fields of ``AgentConfig``; importing it loads no torch)."""
-    import dataclasses
-
-    from mfuwatch.agent.config import AgentConfig
-
-    return {f.name for f in dataclasses.fields(AgentConfig)}
+    if not isinstance(doc, dict) or not doc:
+        return path
+    keys = {str(k) for k in doc}
+    alert_keys = keys & set(TOP_KEYS)
+    agent_names = set(agent.setting_names()) if agent is not None else set()
+    other = sorted(keys - alert_keys)
+    if alert_keys:
+        if other and ("alerts" in keys or keys & agent_names):
+            raise AlertConfigError(
+                f"{path}: alert settings ({', '.join(sorted(alert_keys))}) beside agent settings "
+                f"({', '.join(other)}): in an agent config they go under `alerts:`")
+        return path  # an alert config: load_config names an unknown key and its nearest valid one
+    unchecked = [k for k in other if k not in agent_names]
+    if agent is not None and (validate_agent or unchecked):
+        try:  # the agent's own validation: an unknown key with its nearest valid one ('alert' -> 'alerts'), values
+            agent.validate(path)
+        except ValueError as exc:
+            raise AlertConfigError(f"{path}: agent settings: {exc}") from None
+        print(f"{path}: agent settings OK", file=sys.stderr)
+    if "alerts" in keys:
+        return path  # read_document takes the `alerts:` key
+    if agent is None and any(near_alerts_key(k) for k in other):
+        return path  # read_document says "did you mean 'alerts'"
+    note = "" if agent is not None else " (its agent settings are checked by `mfuwatch alerts check`)"
+    print(f"{path}: an agent config without an `alerts:` key: the built-in rules apply{note}", file=sys.stderr)
+    return None
 
 
 def _check(cfg) -> int:

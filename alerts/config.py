@@ -141,6 +141,13 @@ class AlertConfig:
 ConfigSource = Union[Mapping[str, Any], str, Path, None]
 
 
+def near_alerts_key(key: Any) -> bool:
+    """Whether top-level ``key`` looks like a typo of ``alerts`` (``alert``, ``alerst``; difflib ratio >= 0.6)."""
+    import difflib
+
+    return key != "alerts" and bool(difflib.get_close_matches(str(key), ["alerts"], n=1, cutoff=0.6))
+
+
 def read_document(source: ConfigSource) -> Dict[str, Any]:
     """The user's alert mapping from a dict, a YAML path, or ``None`` (empty).
 
@@ -159,6 +166,10 @@ def read_document(source: ConfigSource) -> Dict[str, Any]:
         except yaml.YAMLError as exc:
             raise AlertConfigError(f"alerts config {path}: not valid YAML ({exc})") from None
         doc = require_mapping(doc, f"alerts config {path}")
+        for key in doc:
+            if "alerts" not in doc and key not in TOP_KEYS and near_alerts_key(key):
+                raise AlertConfigError(f"{path}: unknown top-level key {key!r} (did you mean 'alerts'?); an agent "
+                                       "config holds its alert rules under `alerts:`")
         if "alerts" in doc:
             inner = doc["alerts"]
             if isinstance(inner, (str, Path)):

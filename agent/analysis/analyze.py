@@ -33,9 +33,17 @@ from ..peaks import PEAK_KEYS, Peaks, resolve_peaks
 from ..schema import WindowMeasurement, to_record
 from .roofline import build_window, measure
 from .suggest import suggest
-from .trace import TraceError, TraceIndex, read_trace
+from .trace import GPU_CATEGORIES, TraceError, TraceIndex, read_trace
 
 _DTYPES = PEAK_KEYS
+#: why a trace or window gives no breakdown on a GPU: the reason, not a symptom such as the missing GPU name
+NO_GPU_ACTIVITY = ("the trace has no GPU activity (no kernel, memcpy or memset events in the window): it was "
+                   "recorded without ProfilerActivity.CUDA, on a CPU run, or while no GPU work ran")
+
+
+def _has_gpu_activity(events: Iterable[Dict[str, Any]]) -> bool:
+    """Whether any event is a GPU activity (:data:`~.trace.GPU_CATEGORIES`); stops at the first one."""
+    return any(isinstance(ev, dict) and ev.get("cat") in GPU_CATEGORIES for ev in events)
 
 
 def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any, steps: Optional[int] = None,
@@ -68,8 +76,7 @@ def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any,
     if index.events_seen == 0:
         raise TraceError("the trace has no events")
     if device_type != "cpu" and index.n_kernels == 0:
-        raise TraceError("the trace has no GPU activity (kernels, memcpy, memset): was it recorded with "
-                         "ProfilerActivity.CUDA? For a CPU-only trace use device_type='cpu' (--device cpu)")
+        raise TraceError(NO_GPU_ACTIVITY + "; for a CPU-only trace use device_type='cpu' (--device cpu)")
     if device_type == "cpu" and not any(k == 0 for k in index.op_kind):
         raise TraceError("the trace has no CPU ops")
     w = build_window(index, peaks, steps=steps, device_type=device_type)
@@ -165,7 +172,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             pass
     try:
         tf = read_trace(args.trace)
-        peaks, gpu = _peaks_from_args(args, tf.device_properties)
+        try:
+            peaks, gpu = _peaks_from_args(args, tf.device_properties)
+        except ValueError:
+            # no GPU name because the profiler saw no GPU: say that, not "no GPU name" (one more pass, only here)
+            if (args.device == "cuda" and not args.peaks and not args.gpu and not tf.device_properties
+                    and not _has_gpu_activity(tf.events())):
+                raise TraceError(f"{args.trace}: {NO_GPU_ACTIVITY}; for a CPU-only trace pass --device cpu "
+                                 "--peak-flops fp32=FLOP/S --bandwidth BYTES/S") from None
+            raise
         wm = analyze_events(tf.events(), spec_or_peaks=peaks, steps=args.steps, step_time_seconds=args.step_time,
                             top_k=args.top_k, device_type=args.device, timestamp=os.path.getmtime(args.trace))
     except (TraceError, ValueError) as exc:

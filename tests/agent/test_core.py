@@ -267,7 +267,7 @@ def test_one_measurement_per_report_interval_even_when_one_poll_finds_many_steps
     a = Agent(config=dict(BASE, flops_per_step=1e9, peak_flops=1e12, report_every_steps=10))
     now = _fake_clock(a)
     seen = []
-    a.timeline.write = lambda rec: seen.append(rec) if rec.get("kind") == "step" else None
+    a.timeline.write_in_order = lambda rec: seen.append(rec) if rec.get("kind") == "step" else None
     for _ in range(35):  # all 35 boundaries are resolved by a single poll
         now.t += 0.01
         a.step(tokens=8)

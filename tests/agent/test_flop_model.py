@@ -66,6 +66,8 @@ def test_mixtral_through_the_agent_within_2_percent_and_breakdown():
     assert a.latest.model_flops == pytest.approx(truth, rel=0.02)
     text = a.flops_breakdown(print_it=False)
     assert "experts (routed)" in text and "router" in text and "attention scores" in text
+    # the lengths in words (2 sequences of 10 tokens per step), no dataclass repr
+    assert "; 2 sequences of 10 tokens" in text and "Lengths(" not in text, text
     counted = a.flops_breakdown(print_it=False, count=True)  # a rebuild from the config, counted
     assert "ratio 1.000" in counted and "untracked ops (counted 0): none" in counted, counted
 
@@ -242,3 +244,13 @@ def test_an_architecture_read_before_wrapping_is_adopted():
     expected = before.step_flops(A.Lengths(8), 2)[0]
     assert a.flops_per_step(16)[0] == expected  # and no re-read of the live (wrapped) model
     a.close()
+
+
+def test_flops_breakdown_returns_without_printing_unless_asked(capsys):
+    a = Agent(config=dict(BASE, flops_per_step=3e9))
+    a.close()
+    text = a.flops_breakdown()
+    assert text == "flops_source: user\nflops_per_step = 3e+09 (given)"
+    assert capsys.readouterr().out == ""
+    assert a.flops_breakdown(print_it=True) == text
+    assert capsys.readouterr().out == text + "\n"

@@ -34,3 +34,152 @@ def test_none_path_is_noop(tmp_path, monkeypatch):
     tl.write({"kind": "step"})
     tl.close()
     assert tl.path is None and list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
+# ---- order: records in timestamp order, one run record first
+
+
+class FakeMonotonic:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _kinds(p):
+    return [(r["kind"], r.get("timestamp")) for r in read_timeline(p)]
+
+
+def test_the_run_record_goes_first_and_holds_what_came_before_it(tmp_path):
+    p = tmp_path / "t.jsonl"
+    facts = {"dtype": ""}
+    tl = Timeline(p)
+    tl.start_header(lambda: {"kind": "run", **facts})
+    tl.write({"kind": "attempt", "timestamp": 5.0})
+    assert p.read_text() == "" and tl.held == 1
+    facts["dtype"] = "bf16"  # learnt at the first forward, before the header is written
+    tl.write_header()
+    tl.advance(None)
+    assert [r["kind"] for r in read_timeline(p)] == ["run", "attempt"]
+    assert next(read_timeline(p))["dtype"] == "bf16"
+    tl.close()
+
+
+def test_a_record_stamped_after_the_watermark_waits_for_the_step_record(tmp_path):
+    p = tmp_path / "t.jsonl"
+    tl = Timeline(p)
+    tl.advance(10.0)  # a step record stamped 10.0 or later may still come
+    tl.write({"kind": "gpu", "timestamp": 9.0})  # before the watermark: written at once
+    tl.write({"kind": "phase", "timestamp": 12.0})  # an eval after the steps the agent has not read yet
+    assert _kinds(p) == [("gpu", 9.0)]
+    tl.write_in_order({"kind": "step", "timestamp": 11.0})  # the steps before the eval
+    assert _kinds(p) == [("gpu", 9.0), ("step", 11.0)]
+    tl.write({"kind": "alert", "timestamp": 11.5})  # before the phase, after the watermark (11.0): waits
+    tl.advance(13.0)
+    assert _kinds(p) == [("gpu", 9.0), ("step", 11.0), ("alert", 11.5), ("phase", 12.0)]
+    tl.advance(12.5)  # the watermark never moves back
+    tl.write({"kind": "gpu", "timestamp": 13.5})  # at or after the watermark (13.0): waits
+    assert tl.held == 1
+    tl.close()  # close writes what waits
+    assert _kinds(p)[-1] == ("gpu", 13.5) and tl.held == 0
+
+
+def test_no_record_waits_longer_than_max_hold(tmp_path):
+    p = tmp_path / "t.jsonl"
+    mono = FakeMonotonic()
+    tl = Timeline(p, max_hold_seconds=15.0, monotonic=mono)
+    tl.advance(100.0)
+    tl.write({"kind": "hang", "timestamp": 120.0})  # the loop is stuck: no step record will move the watermark
+    mono.t = 5.0
+    tl.write({"kind": "phase", "timestamp": 110.0})
+    mono.t = 14.9
+    tl.advance(None)
+    assert tl.held == 2
+    mono.t = 15.0
+    tl.advance(None)  # the hang record waited 15 s: out, after the earlier-stamped phase record
+    assert _kinds(p) == [("phase", 110.0), ("hang", 120.0)]
+    tl.close()
+
+
+def test_the_run_record_waits_at_most_max_hold(tmp_path):
+    p = tmp_path / "t.jsonl"
+    mono = FakeMonotonic()
+    tl = Timeline(p, monotonic=mono)
+    tl.start_header(lambda: {"kind": "run", "dtype": ""})
+    tl.write({"kind": "attempt", "timestamp": 1.0})
+    mono.t = 14.0
+    tl.advance(None)
+    assert p.read_text() == ""
+    mono.t = 15.0  # no forward after 15 s (a long checkpoint load): the run record goes with what is known
+    tl.advance(None)
+    assert [r["kind"] for r in read_timeline(p)] == ["run", "attempt"]
+    tl.close()
+
+
+def _demo_run(tmp_path, **cfg):
+    import torch
+
+    from mfuwatch.agent import Agent
+    from mfuwatch.agent.demo import DemoLM, DemoShape
+
+    s = DemoShape(vocab=32, d_model=16, n_layers=1, n_heads=2, d_ff=24, seq=6, batch=2)
+    torch.manual_seed(0)
+    model = DemoLM(s)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "tl.jsonl"
+    a = Agent(model, opt, config=dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="tl",
+                                      report_every_steps=2, timeline=str(path), progress=False, peak_flops=1e11,
+                                      **cfg))
+    x = torch.randint(0, 32, (2, 6))
+
+    def train(n):
+        for _ in range(n):
+            model(x).float().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(4)
+    with a.phase("eval"):
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+    train(2)
+    return a, path
+
+
+def test_an_agent_writes_one_run_record_with_its_dtype_and_records_in_time_order(tmp_path):
+    a, path = _demo_run(tmp_path)
+    a.close()
+    recs = list(read_timeline(path))
+    runs = [r for r in recs if r["kind"] == "run"]
+    assert len(runs) == 1 and recs[0] is runs[0]
+    assert runs[0]["dtype"] == "fp32" and runs[0]["peak_flops_per_second"] == 1e11
+    stamped = [r["timestamp"] for r in recs if r["kind"] != "run"]
+    assert stamped == sorted(stamped)
+    kinds = [(r["kind"], r.get("step")) for r in recs if r["kind"] in ("step", "phase")]
+    assert kinds == [("step", 2), ("step", 4), ("phase", 4), ("step", 6)]  # the eval after step 4's record
+
+
+def _wait(cond, timeout=20.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "the agent thread did not get there"
+        time.sleep(0.05)
+
+
+def test_facts_learnt_after_the_run_record_go_out_as_a_later_run_record(tmp_path):
+    a, path = _demo_run(tmp_path)
+    _wait(lambda: not a.timeline.header_pending)  # the agent thread has written the run record
+    a._run_info_dirty = True  # nothing changed: no second record
+    _wait(lambda: not a._run_info_dirty)
+    a.run_info.peak_source = "calibrated (fp32 matmul)"
+    a._run_info_dirty = True
+    _wait(lambda: not a._run_info_dirty)
+    a.close()
+    runs = [r for r in read_timeline(path) if r["kind"] == "run"]
+    assert [r["peak_source"] for r in runs] == ["user (peak_flops)", "calibrated (fp32 matmul)"]
+    assert {(r["run"], r["rank"]) for r in runs} == {("tl", 0)}

@@ -40,3 +40,69 @@ def test_check_fails_when_the_webhook_variable_is_unset(tmp_path, capsys, monkey
     assert main(["check", "--config", str(cfg)]) == 0
     out = capsys.readouterr()
     assert "config OK" in out.out and "SECRET42" not in out.out + out.err
+
+
+# ---- `mfuwatch alerts check` through the `mfuwatch` command: the agent's own settings are validated too
+
+
+def _mfuwatch(argv):
+    from mfuwatch.agent.cli import main as mfuwatch_main
+
+    return mfuwatch_main(argv)
+
+
+def test_check_validates_the_agent_settings_with_the_agents_validation(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("bind: 127.0.0.1\nport: abc\n")
+    assert _mfuwatch(["alerts", "check", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "agent settings: port: expected an integer port 0..65535" in err and "config OK" not in err
+    cfg.write_text("bind: 127.0.0.1\nreport_every_steps: 0\n")
+    assert _mfuwatch(["alerts", "check", "--config", str(cfg)]) == 2
+    assert "report_every_steps: expected a positive integer, got 0" in capsys.readouterr().err
+    cfg.write_text("bind: 127.0.0.1\nport: 9500\n")
+    assert _mfuwatch(["alerts", "check", "--config", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert "agent settings OK" in out.err and "config OK" in out.out
+
+
+def test_a_top_level_alert_typo_suggests_alerts(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "agent.yaml"
+    for text in ("bind: 127.0.0.1\nalert:\n  rules: {MfuLow: {threshold: 0.2}}\n",
+                 "alert:\n  rules: {MfuLow: {threshold: 0.2}}\n"):
+        cfg.write_text(text)
+        assert _mfuwatch(["alerts", "check", "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert "alert: unknown setting (did you mean 'alerts'?)" in err, err
+    # run as `python -m mfuwatch.alerts.cli` (no agent validation handed in): still named, not the built-ins
+    assert main(["check", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown top-level key 'alert' (did you mean 'alerts'?)" in err and "built-in rules" not in err
+    # a misspelt agent key gets the agent's nearest valid key
+    cfg.write_text("bnid: 127.0.0.1\n")
+    assert _mfuwatch(["alerts", "show-config", "--config", str(cfg)]) == 2
+    assert "bnid: unknown setting (did you mean 'bind'?)" in capsys.readouterr().err
+
+
+def test_alert_settings_beside_agent_settings_are_an_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("bind: 127.0.0.1\nrules: {MfuLow: {threshold: 0.2}}\n")  # would be silently dropped
+    assert _mfuwatch(["alerts", "check", "--config", str(cfg)]) == 2
+    assert "alert settings (rules) beside agent settings (bind): in an agent config they go under `alerts:`" \
+        in capsys.readouterr().err
+
+
+def test_the_alerts_cli_does_not_import_the_agent_config():
+    # the combined check lives in mfuwatch.agent.cli; alerts/ reaches the agent only through what it is handed
+    import ast
+    from pathlib import Path
+
+    import mfuwatch.alerts
+
+    for path in Path(mfuwatch.alerts.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module not in ("mfuwatch.agent.config", "mfuwatch.agent.core"), path

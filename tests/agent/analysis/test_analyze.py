@@ -102,6 +102,26 @@ def test_unknown_gpu_without_flags_names_the_flags(tmp_path, capsys):
     assert main([path, "--peak-flops", "fp32=1e12", "--bandwidth", "1e12"]) == 0
 
 
+def test_cpu_trace_without_flags_gives_the_real_reason_not_the_gpu_name(tmp_path, capsys):
+    # a CPU run's trace: no deviceProperties and no kernels; the missing GPU name is a symptom, not the reason
+    path = _cpu_only_trace(tmp_path)
+    assert main([path]) == 1
+    err = capsys.readouterr().err
+    assert "no GPU activity (no kernel, memcpy or memset events in the window)" in err
+    assert "without ProfilerActivity.CUDA, on a CPU run" in err and "--device cpu" in err
+    assert "GPU name" not in err, err
+
+
+def test_kernels_without_device_properties_still_ask_for_the_peaks(tmp_path, capsys):
+    b = TraceBuilder()
+    ext = b.op("aten::mul", 0.0, 5.0, dims=[[4], [4]])
+    b.kernel("elementwise", 1.0, 2.0, ext=ext)
+    path = b.write(str(tmp_path / "t.json"), device_name=None)
+    assert main([path]) == 1
+    err = capsys.readouterr().err
+    assert "no GPU name in the trace" in err and "--peak-flops" in err and "no GPU activity" not in err
+
+
 def test_malformed_peak_flops_flag(capsys):
     assert main([LLAMA, "--peak-flops", "bf17=1e12", "--bandwidth", "1e12"]) == 1
     assert "--peak-flops" in capsys.readouterr().err
