@@ -207,6 +207,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "timeline": a.timeline or None,
         "profile_every": a.profile_every,
         "model_shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq},
+        "progress": False,  # the demo prints its own progress lines (and --quiet silences them)
     }
     if a.run:  # else the config's run, or its default name ($MFUWATCH_RUN, else one name for all ranks)
         overrides["run"] = a.run

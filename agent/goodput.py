@@ -213,8 +213,8 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
 
     ``records`` is the run's own timeline (:func:`mfuwatch.agent.timeline.read_timeline`):
     each attempt (one process's agent) starts with an ``attempt`` record (the
-    ``run`` records are not used: an attempt writes a new one whenever its dtype
-    or peak settles); ``checkpoint`` records (kind
+    ``run`` records are not used: an attempt normally writes one, and another
+    when its dtype or peak changes later); ``checkpoint`` records (kind
     ``checkpoint``, written when a checkpoint save ends) carry the agent's
     ``step``; ``step`` records carry ``step``, ``steps`` and ``step_time_seconds``.
 
