@@ -263,8 +263,10 @@ def scrape_config(job: str = "mfuwatch", *, file_sd_dir: Optional[str] = None,
     Exactly one of ``file_sd_dir`` (the directory the ranks write with
     :class:`FileSDTarget`; Prometheus watches ``*.json`` there) and ``hosts``
     (a static pattern: every host x ``ranks_per_node`` ports from ``base_port``)
-    must be given. ``honor_labels`` stays false: the series' own ``run``/``rank``
-    do not clash with target labels, because neither pattern sets them.
+    must be given. ``honor_labels`` is true: every series carries its own ``job``
+    label (the training job, ``MFUWATCH_JOB`` / Slurm / Kubernetes), which must win
+    over the scrape job's name, else Prometheus renames it ``exported_job`` and the
+    fleet rules, grouped by ``job``, merge different training jobs.
 
     Raises:
         ValueError: both or neither of ``file_sd_dir`` and ``hosts``; a bad scheme.
@@ -273,7 +275,8 @@ def scrape_config(job: str = "mfuwatch", *, file_sd_dir: Optional[str] = None,
         raise ValueError("give exactly one of file_sd_dir (file-based discovery) and hosts (static targets)")
     if scheme not in ("http", "https"):
         raise ValueError(f"scheme: expected http or https, got {scheme!r}")
-    entry: Dict[str, Any] = {"job_name": job, "scrape_interval": scrape_interval, "metrics_path": "/metrics"}
+    entry: Dict[str, Any] = {"job_name": job, "scrape_interval": scrape_interval, "metrics_path": "/metrics",
+                             "honor_labels": True}
     if scheme == "https":
         entry["scheme"] = "https"
     if file_sd_dir is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import socket
 import threading
 import weakref
@@ -29,6 +30,19 @@ from .timeline import Timeline
 log = logging.getLogger("mfuwatch")
 
 
+def _check_writable_dir(path: str) -> None:
+    """ConfigError unless ``path`` is (or can be made) a directory this process can write a file in."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".mfuwatch-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"file_sd_dir: cannot write target files in {path!r} ({type(exc).__name__}: "
+                          f"{exc.strerror or exc}); expected a writable directory or null") from None
+
+
 class Lifecycle:
     """Mixin of :class:`~mfuwatch.agent.core.Agent`: starts and closes its components.
 
@@ -39,6 +53,8 @@ class Lifecycle:
     def _start(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Everything after the exporter object exists; on any exception ``__init__`` undoes it."""
         cfg = self.config
+        if cfg.file_sd_dir and cfg.exporter:
+            _check_writable_dir(cfg.file_sd_dir)
         self.errors.listeners.append(self.exporter.count_error)
         self.exporter.on_error = self.errors.count  # a collector failing at scrape time is counted, once logged
         self.exporter_url = ""
@@ -90,6 +106,12 @@ class Lifecycle:
         self._acc = _ReportSums()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
         self._thread.start()
+        others = [a for a in list(_live_agents) if a is not self and not getattr(a, "_closed", True)]
+        if others:
+            log.warning("mfuwatch: another agent is already running in this process (run=%s rank=%d); both count "
+                        "the same steps under the same labels, so job-level sums (tokens, FLOPs, goodput) count "
+                        "them twice. Close the first agent (agent.close() or its with-block) before starting "
+                        "another.", others[0].config.run, others[0].config.rank)
         _live_agents.add(self)
         if self.exporter_url:
             log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)

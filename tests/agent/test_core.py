@@ -248,6 +248,34 @@ def test_file_sd_target_written_while_the_agent_runs(tmp_path):
     assert not (tmp_path / "sd-rank0.json").exists()
 
 
+def test_unwritable_file_sd_dir_fails_at_start_up_and_frees_the_port(tmp_path):
+    from mfuwatch.agent.config import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"file_sd_dir: cannot write target files in .*a-file.*expected a "
+                                          r"writable directory or null"):
+        Agent(config=dict(BASE, exporter=True, port=0, run="sd", file_sd_dir=str(blocker / "targets")))
+    a = Agent(config=dict(BASE, exporter=True, port=0, run="sd", file_sd_dir=str(tmp_path / "new" / "dir")))
+    try:  # a directory that does not exist yet is created
+        assert (tmp_path / "new" / "dir" / "sd-rank0.json").exists()
+        assert not list((tmp_path / "new" / "dir").glob(".mfuwatch-probe-*"))
+    finally:
+        a.close()
+
+
+def test_a_second_agent_in_the_process_is_warned_about(caplog):
+    with caplog.at_level("WARNING", logger="mfuwatch"):
+        a = Agent(config=dict(BASE, run="one"))
+        b = Agent(config=dict(BASE, run="two"))
+        b.close()
+        a.close()
+        c = Agent(config=dict(BASE, run="three"))  # the first two are closed: no warning
+        c.close()
+    warned = [r.getMessage() for r in caplog.records if "another agent is already running" in r.getMessage()]
+    assert len(warned) == 1 and "run=one" in warned[0]
+
+
 def test_mark_gap_leaves_evaluation_out_of_step_time():
     a = Agent(config=dict(BASE, flops_per_step=1e12, peak_flops=1e13, report_every_steps=2))
     now = _fake_clock(a)

@@ -116,6 +116,7 @@ def test_advertised_host():
 def test_static_pattern_for_n_nodes_by_8_ranks():
     cfg = d.scrape_config(hosts=["node01", "node02", "node03"], ranks_per_node=8)
     (job,) = cfg["scrape_configs"]
+    assert job["honor_labels"] is True  # the series' job label (the training job) is kept, not renamed
     targets = job["static_configs"][0]["targets"]
     assert len(targets) == 24
     assert targets[:2] == ["node01:9478", "node01:9479"] and targets[7] == "node01:9485"
@@ -173,8 +174,8 @@ class _FakeNow:
 
 
 def _agent(rank: int, steps: int) -> Agent:
-    a = Agent(config=dict(BASE, exporter=True, port=0, run="sd-e2e", rank=rank, local_rank=rank, world_size=2,
-                          flops_per_step=1e9, peak_flops=1e10))
+    a = Agent(config=dict(BASE, exporter=True, port=0, run="sd-e2e", job="train-42", rank=rank, local_rank=rank,
+                          world_size=2, flops_per_step=1e9, peak_flops=1e10))
     now = _FakeNow()
     a.clock = StepClock(a.device, now=now)
     a.clock.start()
@@ -200,14 +201,16 @@ def test_prometheus_discovers_every_rank_through_file_sd(tmp_path):
                              "--log.level=warn"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         def both_ranks():
-            res = _api(port, "query", query='mfuwatch_steps_total{job="mfuwatch"}')["result"]
+            # the series' own job label (the training job) wins over the scrape job's name (honor_labels)
+            res = _api(port, "query", query='mfuwatch_steps_total{job="train-42"}')["result"]
             return res if len(res) == 2 else None
 
         res = _wait(both_ranks)
         assert res, "Prometheus did not scrape both ranks"
         by_rank = {r["metric"]["rank"]: float(r["value"][1]) for r in res}
         assert by_rank == {"0": 4.0, "1": 6.0}
-        assert all(r["metric"]["run"] == "sd-e2e" and "exported_rank" not in r["metric"] for r in res)
+        assert all(r["metric"]["run"] == "sd-e2e" and "exported_rank" not in r["metric"]
+                   and "exported_job" not in r["metric"] for r in res)
         instances = {r["metric"]["instance"] for r in res}
         assert instances == {t.target for t in targets}
 
