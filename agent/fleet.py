@@ -108,12 +108,13 @@ class _FleetCollector(Collector):
                               "on this rank, else 0: the TrainingStalled rules do not fire then", labels=["run", "rank"])
         g.add_metric(base, 1.0 if in_phase else 0.0)
         yield g
-        if ended is not None:
-            g = GaugeMetricFamily(M.LAST_PHASE_END_TIMESTAMP_SECONDS, "Unix time at which the last agent phase "
-                                  "ended: the TrainingStalled rules count stalled time from the later of this and "
-                                  "the last step's end", labels=["run", "rank"])
-            g.add_metric(base, ended)
-            yield g
+        # from the start (0 before the first phase): a series that appeared only at a phase's end could reach a
+        # store's index after the scrape that clears the open flag, and the stall rule would miss it once
+        g = GaugeMetricFamily(M.LAST_PHASE_END_TIMESTAMP_SECONDS, "Unix time at which the last agent phase ended "
+                              "(0 before the first): the TrainingStalled rules count stalled time from the later of "
+                              "this and the last step's end", labels=["run", "rank"])
+        g.add_metric(base, ended)
+        yield g
 
 
 class FleetAccounting:
@@ -140,9 +141,9 @@ class FleetAccounting:
         self.current_hang: Optional[HangReport] = None
         self._open: list = []  # open phases: (name, bucket, perf_counter at entry)
         #: phase state for the Prometheus stall rules, served at scrape time by _FleetCollector: whether a phase
-        #: is open (bool) and the unix time (seconds) the last phase ended (None before the first)
+        #: is open (bool) and the unix time (seconds) the last phase ended (0.0 before the first)
         self.phase_in_progress = False
-        self.last_phase_end_wall: Optional[float] = None
+        self.last_phase_end_wall = 0.0
         self.resume = {"steps": 0.0, "seconds": 0.0, "last_step": 0.0, "checkpoint_step": 0.0}
         if cfg.timeline:
             try:

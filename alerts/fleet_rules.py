@@ -139,9 +139,10 @@ def stalled_seconds_expr() -> str:
 
     Progress is the later of ``mfuwatch_last_step_timestamp_seconds`` (a step ended) and
     ``mfuwatch_last_phase_end_timestamp_seconds`` (an ``agent.phase()`` block ended: the stall clock
-    restarts there, as the in-process engine's does); ranks with ``mfuwatch_phase_in_progress`` 1 have no
-    series (a long eval or checkpoint is not a stall). A rank without a step yet has no series; a rank that
-    never ran a phase, or an agent too old to export the phase series, is timed from its last step alone.
+    restarts there, as the in-process engine's does; 0 before the first phase); ranks with
+    ``mfuwatch_phase_in_progress`` 1 have no series (a long eval or checkpoint is not a stall). A rank
+    without a step yet has no series; an agent too old to export the phase series is timed from its last
+    step alone.
     Label sets match as scraped (the three series come from the same exporter).
     """
     step, end, busy = M.LAST_STEP_TIMESTAMP_SECONDS, M.LAST_PHASE_END_TIMESTAMP_SECONDS, M.PHASE_IN_PROGRESS

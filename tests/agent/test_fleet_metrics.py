@@ -72,7 +72,7 @@ def budget(top_k: int, suggestions: int, reasons: int) -> int:
         + len(BUCKETS)  # goodput_seconds_total{bucket}
         + 1 + 1  # goodput_ratio, straggler_score_ratio
         + 1  # hang_info (only while a step is stuck; counted as present)
-        + 1 + 1  # phase_in_progress, last_phase_end_timestamp_seconds (after the first phase; counted as present)
+        + 1 + 1  # phase_in_progress, last_phase_end_timestamp_seconds (0 before the first phase)
         + len(CATEGORIES) + 1 + top_k + suggestions + 2  # window: breakdown, memory-bound, ops, gains, 2 gauges
         + 11 + 1 + reasons + 1 + 2  # NVML gauges, energy counter, clock reasons, xid, ecc{type}
     )
@@ -85,9 +85,6 @@ def test_series_per_rank_stay_within_the_documented_budget():
     for _ in range(40):
         agent.step(tokens=64)
         time.sleep(0.002)
-    with agent.phase("eval"):  # one phase ended: its end time is exported from now on
-        time.sleep(0.002)
-    agent.step(tokens=64)
     ops = [OpShare(op=f"aten::op{i}", bound="memory", share=0.1, time_seconds=0.01) for i in range(TOP_K)]
     sugg = [Suggestion(kernel=f"k{i}", title="t", apply="a", ops=["x"], time_seconds=0.01, expected_gain=0.1)
             for i in range(SUGGESTIONS)]

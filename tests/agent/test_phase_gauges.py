@@ -2,7 +2,7 @@
 
 ``mfuwatch_phase_in_progress`` must be 1 exactly while an ``agent.phase()`` block (or
 ``begin_phase``/``end_phase``) is open, and ``mfuwatch_last_phase_end_timestamp_seconds`` the unix time
-the last block ended (no series before the first). A failure while setting them is counted under
+the last block ended (0 before the first). A failure while setting them is counted under
 ``phase`` and never reaches the training loop; the rest of the phase (its goodput bucket, its timeline
 record) still happens.
 """
@@ -47,9 +47,9 @@ def test_phase_gauges_move_at_phase_begin_and_end(tmp_path):
     model, opt, agent = _agent(tmp_path, "pg")
     try:
         _step(model, opt)
-        assert _phase_series(agent, "pg") == (0.0, None)  # no phase yet: no end time
+        assert _phase_series(agent, "pg") == (0.0, 0.0)  # no phase yet: end time 0
         with agent.phase("eval"):
-            assert _phase_series(agent, "pg") == (1.0, None)
+            assert _phase_series(agent, "pg") == (1.0, 0.0)
             time.sleep(0.01)
             before = time.time()
         after = time.time()

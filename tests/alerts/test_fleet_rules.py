@@ -115,14 +115,14 @@ def _input_bound_test():
 
 #: The phase scenario (1-minute samples, stalled_seconds 300). Every rank steps 600 times a minute until
 #: minute 10 (last step at 600 s); then
-#:   rank 0 steps on and never opens a phase (no phase-end series: timed from its steps alone);
+#:   rank 0 steps on and exports no phase-end series (an older agent: timed from its steps alone);
 #:   rank 1 runs an eval from 600 s to 2400 s (minutes 10-40: 30 min, 6x stalled_seconds) and then hangs;
 #:   rank 2 runs the same eval and steps again from minute 41 (last step 2460 s, then one a minute);
 #:   rank 3 stops stepping at minute 10 outside any phase (its phase gauge reads 0 throughout).
 PHASE_STEPS = {0: "0+600x60", 1: "0+600x10 6000x50", 2: "0+600x10 6000x30 6600+600x19", 3: "0+600x10 6000x50"}
 PHASE_LAST_STEP = {0: "0+60x60", 1: "0+60x10 600x50", 2: "0+60x10 600x30 2460+60x19", 3: "0+60x10 600x50"}
 PHASE_OPEN = {0: "0x60", 1: "0x9 1x29 0x20", 2: "0x9 1x29 0x20", 3: "0x60"}  # 1 at minutes 10..39
-PHASE_END = {1: "_x40 2400x20", 2: "_x40 2400x20"}  # from minute 40
+PHASE_END = {1: "0x39 2400x20", 2: "0x39 2400x20", 3: "0x60"}  # 0 before the first phase; rank 0: no series
 
 
 def _phase_series():
