@@ -11,7 +11,9 @@ One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fl
 * ``agent.phase("eval")`` / ``agent.phase("checkpoint")``: the phase's time goes to
   its goodput bucket, is left out of step time (the step clock restarts at the
   phase's end) and pauses both the in-process ``TrainingStalled`` watchdog and the
-  hang watchdog;
+  hang watchdog; ``mfuwatch_phase_in_progress`` (1 while a phase is open) and
+  ``mfuwatch_last_phase_end_timestamp_seconds`` let the Prometheus ``TrainingStalled``
+  rules pause and restart their stall clock the same way;
 * the hang watchdog (:mod:`mfuwatch.agent.watchdog`): ``mfuwatch_hangs_total``,
   ``mfuwatch_hang_info{frame}`` while a step is stuck, ``hang`` timeline records, and the
   report handed to the in-process alert engine (``observe_hang``; plus ``stall_probe``, so a
@@ -66,7 +68,7 @@ class Phase:
 
 
 class _FleetCollector(Collector):
-    """Scrape-time series: goodput buckets and ratio, straggler score, hang info."""
+    """Scrape-time series: goodput buckets and ratio, straggler score, hang info, phase state."""
 
     def __init__(self, fleet: "FleetAccounting") -> None:
         self.fleet = fleet
@@ -99,6 +101,20 @@ class _FleetCollector(Collector):
         if hang is not None:
             g.add_metric(base + [hang.where[-200:], (hang.last_collective or "")[:100]], 1.0)
         yield g
+        # read the open flag before the end time (enter/exit write them in the other order): a scrape never
+        # pairs "no phase open" with the end time of the phase before the one that just closed
+        in_phase, ended = f.phase_in_progress, f.last_phase_end_wall
+        g = GaugeMetricFamily(M.PHASE_IN_PROGRESS, "1 while an agent phase (eval, checkpoint save or load) is open "
+                              "on this rank, else 0: the TrainingStalled rules do not fire then", labels=["run", "rank"])
+        g.add_metric(base, 1.0 if in_phase else 0.0)
+        yield g
+        # from the start (0 before the first phase): a series that appeared only at a phase's end could reach a
+        # store's index after the scrape that clears the open flag, and the stall rule would miss it once
+        g = GaugeMetricFamily(M.LAST_PHASE_END_TIMESTAMP_SECONDS, "Unix time at which the last agent phase ended "
+                              "(0 before the first): the TrainingStalled rules count stalled time from the later of "
+                              "this and the last step's end", labels=["run", "rank"])
+        g.add_metric(base, ended)
+        yield g
 
 
 class FleetAccounting:
@@ -124,6 +140,10 @@ class FleetAccounting:
         self._closed = False
         self.current_hang: Optional[HangReport] = None
         self._open: list = []  # open phases: (name, bucket, perf_counter at entry)
+        #: phase state for the Prometheus stall rules, served at scrape time by _FleetCollector: whether a phase
+        #: is open (bool) and the unix time (seconds) the last phase ended (0.0 before the first)
+        self.phase_in_progress = False
+        self.last_phase_end_wall = 0.0
         self.resume = {"steps": 0.0, "seconds": 0.0, "last_step": 0.0, "checkpoint_step": 0.0}
         if cfg.timeline:
             try:
@@ -239,6 +259,20 @@ class FleetAccounting:
             self._open.append((name, bucket, time.perf_counter()))
         except Exception as exc:  # noqa: BLE001
             self.errors.count("phase", exc)
+        self._phase_gauges(None)
+
+    def _phase_gauges(self, ended_at: Optional[float]) -> None:
+        """Set the phase series after an enter (``ended_at`` None) or an exit (unix time it ended). Never raises.
+
+        Two attribute stores on the calling (training) thread; the end time is written before the open flag
+        (the collector reads them in the other order). Failures are counted under ``phase``.
+        """
+        try:
+            if ended_at is not None:
+                self.last_phase_end_wall = float(ended_at)
+            self.phase_in_progress = bool(self._open)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("phase", exc)
 
     def exit(self, name: Optional[str] = None) -> None:
         """Close the innermost open phase (``name``, when given, must match it, else nothing happens)."""
@@ -247,6 +281,8 @@ class FleetAccounting:
             if not opened or (name is not None and opened[-1][0] != name):
                 return
             pname, bucket, t0 = opened.pop()
+            wall = time.time()
+            self._phase_gauges(wall)  # first: a failure below must not leave the stall rules paused
             state = self.goodput.exit()
             if self.watchdog is not None:
                 self.watchdog.resume()
@@ -256,7 +292,7 @@ class FleetAccounting:
             if state == "between" and not opened:
                 self.agent.mark_gap()  # the next step is timed from here: the phase stays out of step time
             rec = {"kind": "phase", "name": pname, "bucket": bucket, "step": int(getattr(self.agent, "_step", 0)),
-                   "seconds": time.perf_counter() - t0, "timestamp": time.time()}
+                   "seconds": time.perf_counter() - t0, "timestamp": wall}
             self._write(rec)
             if bucket == "checkpoint_save":
                 self._write({"kind": "checkpoint", "phase": "save", "step": rec["step"], "seconds": rec["seconds"],

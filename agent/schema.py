@@ -88,6 +88,8 @@ class M:
     STRAGGLER_SCORE = PREFIX + "straggler_score_ratio"
     HANGS_TOTAL = PREFIX + "hangs_total"
     HANG_INFO = PREFIX + "hang_info"  # {frame,collective}: one series while a step is stuck
+    PHASE_IN_PROGRESS = PREFIX + "phase_in_progress"  # 1 while an agent.phase() (eval, checkpoint) is open, else 0
+    LAST_PHASE_END_TIMESTAMP_SECONDS = PREFIX + "last_phase_end_timestamp_seconds"  # unix time; 0 before the first
 
 
 #: The labels every series carries (``job`` is added by the exporter's view, :mod:`mfuwatch.agent.job`).

@@ -27,9 +27,11 @@ config; ``docs/fleet.md`` says which path raises which):
 ``InputBoundRank``                 a rank whose input-wait share is above ``input_wait_share`` and
                                    ``input_wait_factor`` × the job's least-waiting rank's, for ``input_wait_for``
                                    (synchronous data parallel hides it from step times: every rank's step waits)
-``TrainingStalled{kind="fleet"}``  a rank without a step for ``stalled_seconds``; the notification says how
-                                   many steps it is behind and where its training thread waits, from the hang
-                                   watchdog's ``mfuwatch_hang_info``
+``TrainingStalled{kind="fleet"}``  a rank without a step for ``stalled_seconds``, counted from the later of its
+                                   last step's end and its last phase's end, and never while a phase
+                                   (``agent.phase("eval")``, checkpoints) is open (:func:`stalled_seconds_expr`);
+                                   the notification says how many steps it is behind and where its training
+                                   thread waits, from the hang watchdog's ``mfuwatch_hang_info``
 ``GoodputLow``                     job goodput below ``goodput_threshold`` for ``goodput_for``
 
 Rank alerts carry the ``host`` label (joined from ``mfuwatch_run_info``). The
@@ -132,6 +134,21 @@ def _input_min(window: str) -> str:
             '{{ with first . }}{{ .Value | humanizePercentage }}{{ end }}{{ else }}unknown{{ end }}')
 
 
+def stalled_seconds_expr() -> str:
+    """PromQL: seconds each rank has been without progress, and no series while one of its phases is open.
+
+    Progress is the later of ``mfuwatch_last_step_timestamp_seconds`` (a step ended) and
+    ``mfuwatch_last_phase_end_timestamp_seconds`` (an ``agent.phase()`` block ended: the stall clock
+    restarts there, as the in-process engine's does; 0 before the first phase); ranks with
+    ``mfuwatch_phase_in_progress`` 1 have no series (a long eval or checkpoint is not a stall). A rank
+    without a step yet has no series; an agent too old to export the phase series is timed from its last
+    step alone.
+    Label sets match as scraped (the three series come from the same exporter).
+    """
+    step, end, busy = M.LAST_STEP_TIMESTAMP_SECONDS, M.LAST_PHASE_END_TIMESTAMP_SECONDS, M.PHASE_IN_PROGRESS
+    return f"(time() - ({end} > {step} or {step}) unless {busy} > 0)"
+
+
 def alerting_rules(c: FleetRuleConfig) -> list:
     """The fleet alerts."""
     ratio, one_off, w = c.straggler_ratio, c.one_off_ratio, _d(c.window_seconds)
@@ -139,7 +156,7 @@ def alerting_rules(c: FleetRuleConfig) -> list:
     one_off_expr = (f"(max_over_time({M.LAST_STEP_DURATION_SECONDS}[{w}]) / on (job, run) "
                     f"group_left () min by (job, run) (rank:mfuwatch_step_seconds:mean) > {one_off:g}) "
                     f"unless on (job, run, rank) (rank:mfuwatch_step_time_vs_fastest:ratio > {ratio:g})")
-    stalled_expr = f"(time() - {M.LAST_STEP_TIMESTAMP_SECONDS} > {c.stalled_seconds:g}) * {_HOST}"
+    stalled_expr = f"({stalled_seconds_expr()} > {c.stalled_seconds:g}) * {_HOST}"
     share, factor = c.input_wait_share, c.input_wait_factor
     input_expr = (f"(rank:mfuwatch_input_wait:ratio > {share:g} and rank:mfuwatch_input_wait:ratio > on (job, run) "
                   f"group_left () ({factor:g} * min by (job, run) (rank:mfuwatch_input_wait:ratio))) * {_HOST}")
@@ -183,7 +200,8 @@ def alerting_rules(c: FleetRuleConfig) -> list:
              "summary": "Rank {{ $labels.rank }} on {{ $labels.host }} of run {{ $labels.run }} has made no step for "
                         "{{ $value | humanizeDuration }}; it is " + _BEHIND + " step(s) behind the leader",
              "description": "The training thread waits at: " + _WHERE + ". Ranks waiting in a collective while one "
-                            "rank is behind point at that rank.",
+                            "rank is behind point at that rank. Counted from the later of the rank's last step and "
+                            "the end of its last eval or checkpoint phase; not raised while a phase is open.",
              "runbook_url": f"{RUNBOOKS}/TrainingStalled.md"}},
         {"alert": "GoodputLow", "expr": f"job:mfuwatch_goodput:ratio < {c.goodput_threshold:g}",
          "for": _d(c.goodput_for_seconds), "labels": {"severity": "warning"},

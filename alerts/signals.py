@@ -21,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
 from mfuwatch.agent.schema import M, GpuHealth, StepMeasurement, WindowMeasurement
 
+from .fleet_rules import stalled_seconds_expr
 from .validation import format_duration
 
 #: NVML clock-event reasons that mean the GPU slowed itself down (thermal, power brake,
@@ -82,8 +83,10 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
            True, _TRAINING, lambda r: M.MEMORY_BOUND_SHARE),
     Signal("idle_share", "idle share of wall time in the latest profiler window (input stalls, launch-bound)",
            "ratio", (), True, _TRAINING, lambda r: f'max without (category) ({M.GPU_TIME_SHARE}{{category="idle"}})'),
+    # Prometheus: from the later of the last step and the last agent phase's end, no series while a phase is open
+    # (the in-process value pauses and restarts the same way: MeasurementStore.pause_stall/resume_stall)
     Signal("seconds_since_last_step", "seconds since the last reported optimizer step (after the first one)",
-           "seconds", (), True, _RANKS, lambda r: f"time() - {M.LAST_STEP_TIMESTAMP_SECONDS}"),
+           "seconds", (), True, _RANKS, lambda r: stalled_seconds_expr()),
     Signal("gpu_throttle_reasons", "number of the listed NVML clock-event reasons active in the latest sample",
            "count", ("reasons",), True, _GPU,
            lambda r: f'sum without (reason) ({M.GPU_CLOCK_EVENT_REASON}{{reason=~"{_regex(r["reasons"])}"}})'),

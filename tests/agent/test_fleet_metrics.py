@@ -72,6 +72,7 @@ def budget(top_k: int, suggestions: int, reasons: int) -> int:
         + len(BUCKETS)  # goodput_seconds_total{bucket}
         + 1 + 1  # goodput_ratio, straggler_score_ratio
         + 1  # hang_info (only while a step is stuck; counted as present)
+        + 1 + 1  # phase_in_progress, last_phase_end_timestamp_seconds (0 before the first phase)
         + len(CATEGORIES) + 1 + top_k + suggestions + 2  # window: breakdown, memory-bound, ops, gains, 2 gauges
         + 11 + 1 + reasons + 1 + 2  # NVML gauges, energy counter, clock reasons, xid, ecc{type}
     )

@@ -89,7 +89,10 @@ def test_rendered_rules_mirror_the_config():
     assert rules["SlowMemory"]["expr"] == "mfuwatch_gpu_memory_used_bytes / mfuwatch_gpu_memory_total_bytes >= 0.5"
     assert "for" not in rules["SlowMemory"]
     assert rules["SlowMemory"]["annotations"]["summary"] == 'mem {{ $value | humanizePercentage }} {{ "{" }}x}'
-    assert rules["TrainingStalled"]["expr"] == "time() - mfuwatch_last_step_timestamp_seconds > 300"
+    # from the later of the last step and the last phase's end, nothing while a phase is open
+    assert rules["TrainingStalled"]["expr"] == (
+        "(time() - (mfuwatch_last_phase_end_timestamp_seconds > mfuwatch_last_step_timestamp_seconds or "
+        "mfuwatch_last_step_timestamp_seconds) unless mfuwatch_phase_in_progress > 0) > 300")
     for r in cfg.rules:
         if r.enabled:
             assert rules[r.name]["expr"] == rule_expr(r)

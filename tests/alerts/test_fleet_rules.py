@@ -6,7 +6,9 @@ stepping at minute 10 (its watchdog reports the frame it waits in from minute 12
 of wall time on every rank (GoodputLow below 80%) and input wait 30% on every rank (all ranks wait alike:
 no InputBoundRank). A second series set (:func:`_input_bound_series`) has equal step times on every rank and
 one rank waiting for input far longer than the others, as synchronous data parallel with one slow data
-loader does. The expected values below are computed by hand.
+loader does. A third (:func:`_phase_series`) has ranks that run a 30-minute eval phase: the stall rules
+(fleet and per rank) must stay quiet inside it, restart their clock at its end, and fire for a rank that
+hangs after it. The expected values below are computed by hand.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tests.helpers.debian_tools import ensure_binary
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "grafana" / "prometheus" / "rules" / "mfuwatch-fleet.rules.yml"
+PER_RANK = REPO / "grafana" / "prometheus" / "rules" / "mfuwatch.rules.yml"
 L = 'job="train",run="r"'
 
 
@@ -110,6 +113,67 @@ def _input_bound_test():
     }
 
 
+#: The phase scenario (1-minute samples, stalled_seconds 300). Every rank steps 600 times a minute until
+#: minute 10 (last step at 600 s); then
+#:   rank 0 steps on and exports no phase-end series (an older agent: timed from its steps alone);
+#:   rank 1 runs an eval from 600 s to 2400 s (minutes 10-40: 30 min, 6x stalled_seconds) and then hangs;
+#:   rank 2 runs the same eval and steps again from minute 41 (last step 2460 s, then one a minute);
+#:   rank 3 stops stepping at minute 10 outside any phase (its phase gauge reads 0 throughout).
+PHASE_STEPS = {0: "0+600x60", 1: "0+600x10 6000x50", 2: "0+600x10 6000x30 6600+600x19", 3: "0+600x10 6000x50"}
+PHASE_LAST_STEP = {0: "0+60x60", 1: "0+60x10 600x50", 2: "0+60x10 600x30 2460+60x19", 3: "0+60x10 600x50"}
+PHASE_OPEN = {0: "0x60", 1: "0x9 1x29 0x20", 2: "0x9 1x29 0x20", 3: "0x60"}  # 1 at minutes 10..39
+PHASE_END = {1: "0x39 2400x20", 2: "0x39 2400x20", 3: "0x60"}  # 0 before the first phase; rank 0: no series
+
+
+def _phase_series():
+    s = []
+    for r in range(4):
+        lab = _rank(r)
+        s.append({"series": f"mfuwatch_steps_total{{{lab}}}", "values": PHASE_STEPS[r]})
+        s.append({"series": f"mfuwatch_last_step_timestamp_seconds{{{lab}}}", "values": PHASE_LAST_STEP[r]})
+        s.append({"series": f"mfuwatch_phase_in_progress{{{lab}}}", "values": PHASE_OPEN[r]})
+        if r in PHASE_END:
+            s.append({"series": f"mfuwatch_last_phase_end_timestamp_seconds{{{lab}}}", "values": PHASE_END[r]})
+        s.append({"series": f'mfuwatch_run_info{{{lab},host="gpu-node-{r}"}}', "values": "1x60"})
+    return s
+
+
+#: (eval minute, {rank: (seconds without progress, steps behind the leader rank 0)}) of the fleet alert
+PHASE_EXPECTED = [
+    (16, {3: (960 - 600, 9600 - 6000)}),  # ranks 1 and 2 are 360 s past their last step, inside the eval
+    (20, {3: (1200 - 600, 12000 - 6000)}),  # 600 s, still inside: no page for an eval longer than the threshold
+    (39, {3: (2340 - 600, 23400 - 6000)}),
+    (44, {3: (2640 - 600, 26400 - 6000)}),  # the eval ended at 2400 s: rank 1 is at 240 s, rank 2 steps again
+    (46, {1: (2760 - 2400, 27600 - 6000), 3: (2760 - 600, 27600 - 6000)}),  # rank 1 hangs 360 s after the eval
+    (55, {1: (3300 - 2400, 33000 - 6000), 3: (3300 - 600, 33000 - 6000)}),  # rank 2 never: it steps
+]
+
+STALLED_DESCRIPTION = ("The training thread waits at: {where}. Ranks waiting in a collective while one rank is behind "
+                       "point at that rank. Counted from the later of the rank's last step and the end of its last "
+                       "eval or checkpoint phase; not raised while a phase is open.")
+
+
+def _humanize(seconds: int) -> str:
+    """Prometheus' humanizeDuration for whole seconds under an hour (``6m 0s``)."""
+    return f"{seconds // 60}m {seconds % 60}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _phase_test():
+    checks = []
+    for minute, ranks in PHASE_EXPECTED:
+        checks.append({"alertname": "TrainingStalled", "eval_time": f"{minute}m", "exp_alerts": [{
+            "exp_labels": {"severity": "critical", "kind": "fleet", "job": "train", "run": "r", "rank": str(r),
+                           "instance": f"node{r}:9478", "host": f"gpu-node-{r}"},
+            "exp_annotations": {
+                "summary": f"Rank {r} on gpu-node-{r} of run r has made no step for {_humanize(idle)}; it is "
+                           f"{behind} step(s) behind the leader",
+                "description": STALLED_DESCRIPTION.format(
+                    where="not recorded (the hang watchdog has not judged this step stuck yet)"),
+                "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/TrainingStalled.md"}}
+            for r, (idle, behind) in sorted(ranks.items())]})
+    return {"interval": "1m", "input_series": _phase_series(), "alert_rule_test": checks}
+
+
 def _tests():
     stalled_summary = ("Rank 2 on gpu-node-2 of run r has made no step for {d}; it is 6000 step(s) behind the leader")
     return [{
@@ -152,8 +216,7 @@ def _tests():
                                "instance": "node2:9478", "host": "gpu-node-2"},
                 "exp_annotations": {
                     "summary": stalled_summary.format(d="10m 0s"),
-                    "description": "The training thread waits at: train.py:88 in next_batch. Ranks waiting in a "
-                                   "collective while one rank is behind point at that rank.",
+                    "description": STALLED_DESCRIPTION.format(where="train.py:88 in next_batch"),
                     "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/"
                                    "TrainingStalled.md"}}]},
             {"alertname": "GoodputLow", "eval_time": "29m", "exp_alerts": []},
@@ -167,7 +230,7 @@ def _tests():
                                    "bucket grew.",
                     "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/GoodputLow.md"}}]},
         ],
-    }, _input_bound_test()]
+    }, _input_bound_test(), _phase_test()]
 
 
 def test_shipped_fleet_rules_are_the_rendered_ones():
@@ -183,6 +246,32 @@ def test_promtool_checks_and_unit_tests_the_fleet_rules(tmp_path):
     spec = tmp_path / "fleet.test.yml"
     spec.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": _tests()},
                                    sort_keys=False, width=10_000))
+    res = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
+
+
+def test_per_rank_training_stalled_pauses_during_phases_too(tmp_path):
+    """The per-rank ``TrainingStalled`` of ``mfuwatch.rules.yml`` over the phase scenario: the same ranks, no host."""
+    from mfuwatch.alerts import load_config
+
+    promtool = ensure_binary(("promtool",), "prometheus")
+    rule = load_config(None).rule("TrainingStalled")
+    checks = []
+    for minute, ranks in PHASE_EXPECTED:
+        alerts = []
+        for r, (idle, _behind) in sorted(ranks.items()):
+            labels = {"run": "r", "rank": str(r)}
+            ann = {k: t.render(value=float(idle), labels=labels, static=rule.static())
+                   for k, t in rule.annotations.items()}
+            ann["dashboard_url"] = f"http://localhost:3000/d/mfuwatch-cross-rank?var-run=r&var-rank={r}"
+            assert _humanize(idle) in ann["summary"], ann  # the engine's duration reads as promtool's
+            alerts.append({"exp_labels": {"severity": "critical", "job": "train", "run": "r", "rank": str(r),
+                                          "instance": f"node{r}:9478"}, "exp_annotations": ann})
+        checks.append({"alertname": "TrainingStalled", "eval_time": f"{minute}m", "exp_alerts": alerts})
+    spec = tmp_path / "per_rank.test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(PER_RANK)], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": _phase_series(), "alert_rule_test": checks}]}, sort_keys=False,
+        width=10_000))
     res = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
 

@@ -17,7 +17,11 @@ Checks, in order:
    unchanged 0.1 s step for input) raises ``InputBoundRank`` naming rank 21 and its host; each within its
    window/threshold + ``for`` + two scrape intervals + the pipeline's own cadence (remote-write flush,
    rule evaluation, Alertmanager group wait). The three faults start together, so the third costs no
-   extra wall time;
+   extra wall time. Then rank 27 opens an eval phase that never ends and rank 29 runs an eval of 2x the
+   stall threshold and steps on: neither may be named by ``TrainingStalled`` (the rules pause during
+   phases and restart their clock at a phase's end). This comes after the other checks because a rank in
+   an eval waits for no input, so it lowers the job's least input-wait share that ``InputBoundRank``
+   compares with;
 4. the memory (RSS from /proc) of Prometheus and VictoriaMetrics, written to ``test-artifacts/fleet_scale.json``
    for docs/fleet.md together with the fault-to-notification times.
 """
@@ -49,11 +53,13 @@ STEP = 0.1
 FLOPS, PEAK = 2e10, 1e12  # MFU 0.2 at 0.1 s steps
 RUN, JOB = "fleet-scale", "fleet-scale-job"
 STRAGGLER, HUNG, INPUT_BOUND = 7, 13, 21
+IN_EVAL, EVAL_THEN_STEP = 27, 29  # an eval that never ends; an eval of EVAL_SECONDS, then steps again
 SCRAPE = 1.0  # seconds
 EVAL = 1.0
 WINDOW = 10.0  # rate() window of the recording rules
 STRAGGLER_FOR = 5.0
 STALLED = 4.0  # TrainingStalled: seconds without a step
+EVAL_SECONDS = 2 * STALLED
 INPUT_FOR = 5.0  # InputBoundRank's for (its share is over the 10 s window)
 #: The pipeline's own cadence on top of the rule's condition: remote-write flush (1 s), vmalert's
 #: evaluation (1 s), Alertmanager's group wait (1 s) and the rank's report interval (10 steps = 1 s).
@@ -162,7 +168,7 @@ def stack(tmp_path_factory):
             ranks.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.helpers.fleet_rank", "--rank", str(r), "--world", str(RANKS),
                  "--run", RUN, "--job", JOB, "--sd-dir", str(sd), "--step-seconds", str(STEP),
-                 "--flops-per-step", str(FLOPS), "--peak", str(PEAK)],
+                 "--flops-per-step", str(FLOPS), "--peak", str(PEAK), "--eval-seconds", str(EVAL_SECONDS)],
                 cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"rank{r}.log", "w")))
         yield {"vm": vm_url, "rx": rx, "procs": procs, "ranks": ranks, "tmp": tmp}
     finally:
@@ -256,3 +262,22 @@ def test_32_ranks_job_mfu_stragglers_hangs_and_memory(stack):
     assert strag_delay <= straggler_budget, (strag_delay, straggler_budget)
     assert input_delay <= input_budget, (input_delay, input_budget)
     assert per_rank and per_rank[-1] <= 110, per_rank  # the documented budget (docs/fleet.md)
+    # 4. phases: no stall page inside an eval longer than the threshold, nor after one when the rank steps on
+    ranks[IN_EVAL].send_signal(signal.SIGHUP)
+    ranks[EVAL_THEN_STEP].send_signal(signal.SIGALRM)
+    t_eval = time.time()
+    # long enough for the stall alerts the phases must keep quiet to reach the receiver: inside the evals
+    # (from t_eval + STALLED), and after the short one's end had the clock not restarted there
+    time.sleep(max(0.0, t_eval + EVAL_SECONDS + STALLED + 2 * SCRAPE + PIPELINE - time.time()))
+    in_eval = _query(vm, f'mfuwatch_phase_in_progress{{{sel},rank="{IN_EVAL}"}}')
+    assert [float(s["value"][1]) for s in in_eval] == [1.0], in_eval  # the never-ending eval is open
+    ended = _query(vm, f'mfuwatch_last_phase_end_timestamp_seconds{{{sel},rank="{EVAL_THEN_STEP}"}}')
+    assert len(ended) == 1 and float(ended[0]["value"][1]) >= t_eval + EVAL_SECONDS - 1, ended
+    stepped = _query(vm, f'increase(mfuwatch_steps_total{{{sel},rank="{EVAL_THEN_STEP}"}}[{STALLED:g}s])')
+    assert stepped and float(stepped[0]["value"][1]) > 0, stepped  # it steps again after the eval
+    stalled = {a["labels"]["rank"] for req in rx.delivered for a in req.json.get("alerts", [])
+               if a["labels"].get("alertname") == "TrainingStalled" and a["status"] == "firing"}
+    # ranks 27 and 29 made no step for > STALLED, inside their phase
+    assert stalled == {str(HUNG)}, [(a["labels"]["rank"], a["annotations"].get("summary")) for req in rx.delivered
+                                    for a in req.json.get("alerts", []) if a["labels"].get("alertname") ==
+                                    "TrainingStalled"]

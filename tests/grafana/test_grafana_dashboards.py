@@ -38,6 +38,9 @@ NOT_ON_DASHBOARDS = {
     M.HARDWARE_FLOPS_TOTAL: "read through the recorded job:mfuwatch_hfu:ratio (fleet rules)",
     M.STEP_SECONDS_TOTAL: "for sum/rate queries of other stores; the dashboards use the step-time histogram",
     M.HANG_INFO: "has a series only while a step is stuck; the fleet TrainingStalled notification shows its frame",
+    M.PHASE_IN_PROGRESS: "read by the TrainingStalled rules (no page while a phase is open); the goodput row "
+                         "shows the phases' time (eval, checkpoint buckets)",
+    M.LAST_PHASE_END_TIMESTAMP_SECONDS: "read by the TrainingStalled rules (the stall clock restarts at a phase's end)",
 }
 #: Series recorded by the fleet rules (grafana/prometheus/rules/mfuwatch-fleet.rules.yml) the dashboards read.
 RECORDED = {r["record"] for r in recording_rules(FleetRuleConfig())}

@@ -11,7 +11,8 @@ input wait of ``input_wait_ratio`` of the step. Signals change the loop: SIGUSR1
 slower (a straggler), SIGUSR2 stops stepping inside :func:`stuck_in_data_loader` while the exporter keeps
 serving (a hang), SIGWINCH makes half of each step's period an input wait at the same period (a slow data
 loader whose step time is unchanged, as in synchronous data parallel, where the other ranks' steps absorb
-it). Usage::
+it), SIGALRM runs one ``eval`` phase of ``--eval-seconds`` (``fleet.enter``/``exit``, as ``agent.phase`` does)
+and then steps on, SIGHUP opens an ``eval`` phase that never ends (inside :func:`stuck_in_eval`). Usage::
 
     python -m tests.helpers.fleet_rank --rank 3 --world 32 --run R --job J --sd-dir DIR --step-seconds 0.1
 """
@@ -38,11 +39,18 @@ except ImportError:  # pragma: no cover - before the move
 
 SLOWDOWN = 1.3
 INPUT_BOUND_WAIT = 0.5  # share of the step period spent waiting for input after SIGWINCH
-state = {"slow": False, "hang": False, "input_bound": False}
+state = {"slow": False, "hang": False, "input_bound": False, "eval_once": False, "eval_forever": False}
 
 
 def stuck_in_data_loader() -> None:
     """Where the hung rank waits (the hang watchdog must name this frame)."""
+    while True:
+        time.sleep(3600)
+
+
+def stuck_in_eval(fleet: FleetAccounting) -> None:
+    """A phase that never ends (the stall rules must not page for it)."""
+    fleet.enter("eval")
     while True:
         time.sleep(3600)
 
@@ -61,10 +69,13 @@ def main() -> int:
     p.add_argument("--tokens-per-step", type=int, default=4096)
     p.add_argument("--report-every", type=int, default=10)
     p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--eval-seconds", type=float, default=8.0)
     a = p.parse_args()
     signal.signal(signal.SIGUSR1, lambda *_: state.update(slow=True))
     signal.signal(signal.SIGUSR2, lambda *_: state.update(hang=True))
     signal.signal(signal.SIGWINCH, lambda *_: state.update(input_bound=True))
+    signal.signal(signal.SIGALRM, lambda *_: state.update(eval_once=True))
+    signal.signal(signal.SIGHUP, lambda *_: state.update(eval_forever=True))
     cfg = load_config(dict(run=a.run, job=a.job, rank=a.rank, world_size=a.world, local_rank=a.rank % a.ranks_per_node,
                            exporter=True, port=0, nvml=False, alerts=False, hang_factor=5.0, hang_floor_seconds=1.0,
                            goodput_warmup_steps=2, auto_checkpoint_phases=False))
@@ -91,6 +102,16 @@ def main() -> int:
         while True:
             if state["hang"]:
                 stuck_in_data_loader()
+            if state["eval_forever"]:
+                stuck_in_eval(fleet)
+            if state["eval_once"]:
+                state["eval_once"] = False
+                fleet.enter("eval")
+                time.sleep(a.eval_seconds)
+                fleet.exit("eval")
+                # the agent restarts its step clock at a phase's end (mark_gap): so does this loop
+                deadline = last = report_start = time.perf_counter()
+                report_steps = 0
             period = a.step_seconds * (SLOWDOWN if state["slow"] else 1.0)
             start = deadline
             deadline = start + period
