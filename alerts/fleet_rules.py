@@ -158,8 +158,11 @@ def alerting_rules(c: FleetRuleConfig) -> list:
                     f"unless on (job, run, rank) (rank:mfuwatch_step_time_vs_fastest:ratio > {ratio:g})")
     stalled_expr = f"({stalled_seconds_expr()} > {c.stalled_seconds:g}) * {_HOST}"
     share, factor = c.input_wait_share, c.input_wait_factor
+    # not while any rank of the job has a phase open: a rank evaluating alone leaves the others waiting between
+    # steps (input_wait) and itself waiting for nothing, which would read as every other rank input-bound
     input_expr = (f"(rank:mfuwatch_input_wait:ratio > {share:g} and rank:mfuwatch_input_wait:ratio > on (job, run) "
-                  f"group_left () ({factor:g} * min by (job, run) (rank:mfuwatch_input_wait:ratio))) * {_HOST}")
+                  f"group_left () ({factor:g} * min by (job, run) (rank:mfuwatch_input_wait:ratio))) * {_HOST} "
+                  f"unless on (job, run) (max by (job, run) ({M.PHASE_IN_PROGRESS}) > 0)")
     rules = [
         {"alert": "StragglerRank", "expr": chronic_expr, "for": _d(c.straggler_for_seconds),
          "labels": {"severity": "warning", "kind": "chronic"},

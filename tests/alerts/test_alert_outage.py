@@ -102,7 +102,7 @@ def test_close_reports_what_it_could_not_deliver(run_info, clock, monkeypatch, c
     t0 = time.monotonic()
     with caplog.at_level("WARNING", logger="mfuwatch.alerts"):
         lost = engine.close(timeout=0.5)
-    assert time.monotonic() - t0 < 2.0  # bounded
+    assert time.monotonic() - t0 < 10.0  # bounded (a hang would be the retry loop: minutes), loose for a loaded CI
     engine.workers[0]._thread.join(5)
     # the firing state was superseded by close's resolved state, which could not be delivered
     assert len(lost) == 1 and "GpuMemoryPressure (resolved)" in lost[0] and lost[0].startswith("webhook: resolved")

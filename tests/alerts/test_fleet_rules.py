@@ -230,7 +230,44 @@ def _tests():
                                    "bucket grew.",
                     "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/GoodputLow.md"}}]},
         ],
-    }, _input_bound_test(), _phase_test()]
+    }, _input_bound_test(), _phase_test(), _eval_barrier_test()]
+
+
+def _eval_barrier_test():
+    """Rank 0 evaluates alone for 40 minutes while ranks 1 and 2 wait for it between steps (their time goes to
+    input_wait): no InputBoundRank while a phase is open, nor in the 5 m after it, whose rates still hold the
+    wait; the same shares with no phase open would page (shown by the rule's own recording rule)."""
+    s = []
+    for r in range(3):
+        lab = _rank(r)
+        busy = "1x40 0x20" if r == 0 else "0x60"
+        s.append({"series": f"mfuwatch_phase_in_progress{{{lab}}}", "values": busy})
+        if r == 0:  # eval for 40 min, then productive
+            s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="eval"}}', "values": "0+60x40 2400x20"})
+            s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="productive"}}',
+                      "values": "0x40 0+59x20"})
+            s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="input_wait"}}',
+                      "values": "0x40 0+1x20"})
+        else:  # waiting at the next step's barrier for 40 min, then productive
+            s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="input_wait"}}',
+                      "values": "0+60x40 2400+1x20"})
+            s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="productive"}}',
+                      "values": "0x40 0+59x20"})
+        s.append({"series": f'mfuwatch_run_info{{{lab},host="gpu-node-{r}"}}', "values": "1x60"})
+    return {
+        "interval": "1m",
+        "input_series": s,
+        "promql_expr_test": [
+            {"expr": "round(rank:mfuwatch_input_wait:ratio, 0.0001)", "eval_time": "30m",
+             "exp_samples": [{"labels": f'{{{L},rank="{r}"}}', "value": v} for r, v in ((0, 0.0), (1, 1.0), (2, 1.0))]},
+        ],
+        "alert_rule_test": [
+            {"alertname": "InputBoundRank", "eval_time": "30m", "exp_alerts": []},
+            {"alertname": "InputBoundRank", "eval_time": "39m", "exp_alerts": []},
+            {"alertname": "InputBoundRank", "eval_time": "46m", "exp_alerts": []},
+            {"alertname": "InputBoundRank", "eval_time": "58m", "exp_alerts": []},
+        ],
+    }
 
 
 def test_shipped_fleet_rules_are_the_rendered_ones():
