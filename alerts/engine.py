@@ -228,12 +228,18 @@ class AlertEngine:
                     events.append(record)
             if self.notifying and self.workers:
                 self._dispatch(now)
+        self._emit(events)
+
+    def _emit(self, events: List[Dict[str, Any]]) -> None:
+        """Hand each transition record to ``on_event`` (the timeline); a failing callback is counted, never
+        raised: a broken timeline must not stop alerting or closing."""
+        if self._on_event is None:
+            return
         for record in events:
-            if self._on_event is not None:
-                try:
-                    self._on_event(record)
-                except Exception as exc:  # noqa: BLE001 - a broken timeline must not stop closing
-                    self._error("on_event", exc)
+            try:
+                self._on_event(record)
+            except Exception as exc:  # noqa: BLE001
+                self._error("on_event", exc)
 
     @property
     def errors(self) -> int:
@@ -314,12 +320,7 @@ class AlertEngine:
                     events.append(self._transition(st, "resolved", now))
             if self.notifying and self.workers:
                 self._dispatch(now)
-        for record in events:
-            if self._on_event is not None:
-                try:
-                    self._on_event(record)
-                except Exception as exc:  # noqa: BLE001 - a broken timeline must not stop alerting
-                    self._error("on_event", exc)
+        self._emit(events)
 
     def _loop(self, interval: float, rules: List[Rule]) -> None:
         wake = self._window_arrived if rules is self._eval_rules else None

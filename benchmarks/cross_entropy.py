@@ -68,6 +68,25 @@ def bench(fn, grad_to_none=()):
     return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=list(grad_to_none), return_mode="median")
 
 
+def extra_gib(fn, leaves, grads_bytes: int) -> float:
+    """GiB that one call of ``fn`` (forward + backward) peaks at above what was allocated before it and above
+    the gradients it leaves (``grads_bytes``); gradients of ``leaves`` reset before and after. NaN off CUDA."""
+    if DEV != "cuda":
+        return float("nan")
+    for t in leaves:
+        t.grad = None
+    sync()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    sync()
+    extra = (torch.cuda.max_memory_allocated() - base - grads_bytes) / GIB
+    for t in leaves:
+        t.grad = None
+    return extra
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
     if ARGS.smoke:
@@ -240,17 +259,7 @@ def time_lce() -> None:
                 err = f" | {rel(w.grad, dw64):.2e}"
                 h.grad = w.grad = None
             ms = bench(step, grad_to_none=[h, w])
-            extra = float("nan")
-            if DEV == "cuda":
-                h.grad = w.grad = None
-                sync()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                step()
-                sync()
-                extra = (torch.cuda.max_memory_allocated() - base - grads_bytes) / GIB
-            h.grad = w.grad = None
+            extra = extra_gib(step, [h, w], grads_bytes)
             ROWS.append(("lce", name, ms, f"{extra:.2f}{err}"))
         except Exception as exc:  # noqa: BLE001 - one failing provider must not hide the others
             h.grad = w.grad = None
@@ -319,15 +328,7 @@ def lce_e2e_sweep(L) -> list:
                 res[(c, o)].append(bench(run, grad_to_none=[h, w]))
         for c, o in variants:
             L.CHUNK_ELEMENTS, L.OVERLAP = c, o
-            h.grad = w.grad = None
-            sync()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            run()
-            sync()
-            mem[(c, o)] = (torch.cuda.max_memory_allocated() - base - grads_bytes) / GIB
-            h.grad = w.grad = None
+            mem[(c, o)] = extra_gib(run, [h, w], grads_bytes)
             ts = res[(c, o)]
             lines.append(f"| {v} | 2^{c.bit_length() - 1} | {L.chunk_rows(8192, v)} | {o} | "
                          f"{statistics.median(ts):.2f} | {min(ts):.2f}-{max(ts):.2f} | {mem[(c, o)]:.2f} |")
@@ -431,17 +432,7 @@ def sweep() -> str:
         f(h, w, t).backward()
         edw, edh = rel(w.grad, dw64), rel(h.grad, dh64)
         ms = bench(lambda: f(h, w, t).backward(), grad_to_none=[h, w])
-        h.grad = w.grad = None
-        extra = float("nan")
-        if DEV == "cuda":
-            sync()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            f(h, w, t).backward()
-            sync()
-            extra = (torch.cuda.max_memory_allocated() - base - grads_bytes) / GIB
-        h.grad = w.grad = None
+        extra = extra_gib(lambda: f(h, w, t).backward(), [h, w], grads_bytes)
         res.append((name, ms, extra, edw, edh))
 
     keep_chunk = L.CHUNK_ELEMENTS

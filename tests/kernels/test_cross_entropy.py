@@ -48,7 +48,7 @@ def ref_loss(x, t, reduction, ignore_index=-100, **kw):
 OPTIONS = [dict(), dict(softcap=4.0, smoothing=0.1, z_loss=1e-3), dict(smoothing=1.0), dict(softcap=0.5)]
 
 
-def check(x, t, reduction, dtype, gen, scale=1.0, **kw):
+def assert_matches_reference(x, t, reduction, dtype, gen, scale=1.0, **kw):
     """Forward and backward (with a random upstream gradient) of the fused op against ref_loss."""
     x = x.to(DEVICE).detach().requires_grad_()
     t = t.to(DEVICE)
@@ -73,7 +73,7 @@ def test_forward_backward_match_float64(dtype, reduction, opts, gen):
     x = (3 * torch.randn(7, V, generator=gen)).to(dtype)
     t = torch.randint(0, V, (7,), generator=gen)
     t[2] = -100
-    check(x, t, reduction, dtype, gen, **opts)
+    assert_matches_reference(x, t, reduction, dtype, gen, **opts)
 
 
 def test_largest_vocabulary_padded_lanes_take_no_mass(gen):
@@ -81,7 +81,7 @@ def test_largest_vocabulary_padded_lanes_take_no_mass(gen):
     V = 262144 - 3
     x = (2 * torch.randn(2, V, generator=gen)).to(torch.bfloat16)
     t = torch.tensor([V - 1, 5])
-    check(x, t, "mean", torch.bfloat16, gen, softcap=30.0)
+    assert_matches_reference(x, t, "mean", torch.bfloat16, gen, softcap=30.0)
 
 
 def test_custom_ignore_index_and_layouts(gen):
@@ -106,8 +106,8 @@ def test_custom_ignore_index_and_layouts(gen):
 def test_non_contiguous_logits_are_read_correctly(gen):
     wide = torch.randn(6, 300, generator=gen)
     t = torch.randint(0, 129, (6,), generator=gen)
-    check(wide[:, 5:134], t, "mean", torch.float32, gen)  # a slice: row stride 300
-    check(torch.randn(129, 6, generator=gen).t(), t, "sum", torch.float32, gen)  # transposed: copied once
+    assert_matches_reference(wide[:, 5:134], t, "mean", torch.float32, gen)  # a slice: row stride 300
+    assert_matches_reference(torch.randn(129, 6, generator=gen).t(), t, "sum", torch.float32, gen)  # transposed: copied once
 
 
 def test_all_ignored_mean_is_nan_with_zero_gradients():
@@ -276,8 +276,8 @@ def test_split_kernel_one_segment_per_row(dtype, opts, gen, split_kernel):
     t = torch.randint(0, 50, (9,), generator=gen)
     t[2] = -100
     assert split_kernel._candidates(50, True, True)[0][2] == "split"
-    check(x, t, "mean", dtype, gen, **opts)
-    check(x, t, "sum", dtype, gen, **opts)
+    assert_matches_reference(x, t, "mean", dtype, gen, **opts)
+    assert_matches_reference(x, t, "sum", dtype, gen, **opts)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's one-program-at-a-time order")
@@ -308,4 +308,4 @@ def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
     x = torch.randn(7, 50, generator=gen) * 3
     t = torch.randint(0, 50, (7,), generator=gen)
     t[3] = -100
-    check(x, t, "mean", torch.float32, gen, **opts)
+    assert_matches_reference(x, t, "mean", torch.float32, gen, **opts)

@@ -32,7 +32,7 @@ def angles(b, t, r, gen, dtype, interleaved=False):
     return (emb.cos() + noise[0]).to(dtype).to(DEVICE), (emb.sin() + noise[1]).to(dtype).to(DEVICE)
 
 
-def run_case(q, k, cos, sin, interleaved, dtype, gen):
+def assert_rotary_matches_reference(q, k, cos, sin, interleaved, dtype, gen):
     q0, k0 = q.detach().clone(), k.detach().clone()
     q_emb, k_emb = mk.apply_rotary(q, k, cos, sin, interleaved=interleaved)
     assert torch.equal(q.detach(), q0) and torch.equal(k.detach(), k0), "inputs modified"
@@ -61,7 +61,7 @@ def test_matches_float64_reference(dtype, interleaved, hq, hk, d, r, gen):
     q = torch.randn(b, hq, t, d, generator=gen).to(dtype).to(DEVICE).requires_grad_()
     k = torch.randn(b, hk, t, d, generator=gen).to(dtype).to(DEVICE).requires_grad_()
     cos, sin = angles(b, t, r, gen, dtype, interleaved)
-    run_case(q, k, cos, sin, interleaved, dtype, gen)
+    assert_rotary_matches_reference(q, k, cos, sin, interleaved, dtype, gen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
