@@ -13,7 +13,7 @@ not ``ignore_index`` gives a NaN loss and NaN gradients (torch raises; a check h
 host-device sync). Gradient, with ``p = softmax(z)``::
 
     dloss/dz_j = p_j * (1 + 2 zl lse) - eps / V - (1 - eps) [j == t]
-    dz/dx      = 1 - (z / c)^2              (softcap only)
+    dz/dx      = 1 - (z / c)^2 = sech(x / c)^2   (softcap only; computed as 4e / (1 + e)^2, e = exp(-2|x / c|))
 
 Lanes past ``V`` in the last block are set to ``-inf`` *after* the softcap, so they take no probability
 mass (``c * tanh(-inf)`` would be ``-c``).
@@ -43,9 +43,25 @@ from ._common import (INTERPRET, Launcher, as_rows, cdiv, device_guard, pow2_at_
 
 
 @triton.jit
-def _tanh(z):
-    """tanh via the sigmoid (tanh(z) = 2 sigmoid(2z) - 1; no libdevice needed)."""
-    return 2.0 * tl.sigmoid(2.0 * z) - 1.0
+def _tanh_sech2(u):
+    """(tanh(u), 1 - tanh(u)^2) from one exp, e = exp(-2|u|) in (0, 1] (no libdevice needed)::
+
+        tanh(u) = sign(u) (1 - e) / (1 + e)        sech(u)^2 = 4 e / (1 + e)^2
+
+    The second form keeps its relative accuracy where tanh(u) rounds to +-1 (``1 - th * th`` there is
+    a difference of two numbers within an ulp of 1: an absolute error of ~1e-7 on a value that may be
+    1e-10, which the gradient of a saturated softcap lane would carry)."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    th = (1.0 - e) * r
+    return tl.where(u < 0, -th, th), 4.0 * e * r * r
+
+
+@triton.jit
+def _tanh(u):
+    """tanh(u) (see ``_tanh_sech2``)."""
+    th, _ = _tanh_sech2(u)
+    return th
 
 
 @triton.jit
@@ -69,14 +85,14 @@ def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
         else:
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            th = _tanh(x / softcap)
+            th, dzdx = _tanh_sech2(x / softcap)
             z = softcap * th
         else:
             z = x
         p = tl.exp(z - lse)
         g = p * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
         if HAS_SOFTCAP:
-            g = g * (1.0 - th * th)
+            g = g * dzdx
         if HINTS:
             tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m, eviction_policy="evict_first")
         else:
@@ -154,7 +170,7 @@ def _ce_fwd_split_kernel(
     m = cols < V
     x = tl.load(X + row * stride_x + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_SOFTCAP:
-        th = _tanh(x / softcap)
+        th, dzdx = _tanh_sech2(x / softcap)
         z = softcap * th
     else:
         z = x
@@ -193,7 +209,7 @@ def _ce_fwd_split_kernel(
     g = e * (tl.exp(mx - lse) * (1.0 + 2.0 * z_loss * lse)) - smoothing / V
     g = g - tl.where(cols == t, 1.0 - smoothing, 0.0)
     if HAS_SOFTCAP:
-        g = g * (1.0 - th * th)
+        g = g * dzdx
     tl.store(DX + row * stride_dx + cols, (g * coef).to(DX.dtype.element_ty), mask=m,
              eviction_policy="evict_first")
 
@@ -333,7 +349,7 @@ def _torch_grad(z: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: tor
     g.scatter_add_(1, torch.where(valid, target.long(), 0).unsqueeze(1),
                    torch.full((z.shape[0], 1), -(1 - smoothing), dtype=g.dtype, device=g.device))
     if softcap > 0:
-        g = g * (1 - (z / softcap) ** 2)
+        g = g * torch.cosh(x.float() / softcap).pow(-2)  # sech^2, accurate where tanh rounds to +-1
     coef = torch.where(valid, coef.float(), float("nan"))
     coef = torch.where(ignored, 0.0, coef)
     return g * coef.unsqueeze(1)
