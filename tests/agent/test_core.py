@@ -10,27 +10,13 @@ import torch.nn.functional as F
 from prometheus_client.parser import text_string_to_metric_families
 
 from mfuwatch.agent import Agent, watch
-from mfuwatch.agent.clock import StepClock
 from mfuwatch.agent.core import count_tokens
 from mfuwatch.agent.demo import DemoLM, DemoShape
 from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
+from tests.helpers.integration_fixtures import install_fake_clock
 
 BASE = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="t")
 
-
-class FakeNow:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def _fake_clock(agent):
-    now = FakeNow()
-    agent.clock = StepClock(agent.device, now=now)
-    agent.clock.start()
-    return now
 
 
 def test_mfu_hfu_arithmetic_with_fake_clock():
@@ -38,7 +24,7 @@ def test_mfu_hfu_arithmetic_with_fake_clock():
     # MFU = 2e12 / 0.25 / 1e13 = 0.8 ; HFU = 2.5e12 / 0.25 / 1e13 = 1.0 ; tokens/s = 4096 / 0.25 = 16384
     a = Agent(config=dict(BASE, flops_per_step=2e12, hardware_flops_per_step=2.5e12, peak_flops=1e13,
                           report_every_steps=5))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     for _ in range(5):
         now.t += 0.25
         a.step(tokens=4096)
@@ -54,7 +40,7 @@ def test_mfu_hfu_arithmetic_with_fake_clock():
 
 def test_unknown_peak_gives_no_mfu():
     a = Agent(config=dict(BASE, flops_per_step=1e9))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     for _ in range(3):
         now.t += 0.1
         a.step(tokens=10)
@@ -85,7 +71,7 @@ def test_gradient_accumulation_counts_every_micro_batch():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=4,
                                       model_shape={"n_layers": 1, "d_model": 16}))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     accum, steps = 3, 4
     for _ in range(steps):
         for _ in range(accum):
@@ -112,7 +98,7 @@ def test_flop_counter_path_measures_one_step():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=3))
     assert a.run_info.flops_source == "flop_counter"
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     for _ in range(3):
         x = torch.randint(0, s.vocab, (s.batch, s.seq))
         F.cross_entropy(model(x).view(-1, s.vocab), x.view(-1)).backward()
@@ -164,7 +150,7 @@ def _scrape(url):
 def test_exporter_scraped_over_http():
     a = Agent(config=dict(BASE, exporter=True, port=0, flops_per_step=2e12, peak_flops=1e13,
                           report_every_steps=2, run="scrape"))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     for _ in range(4):
         now.t += 0.5
         a.step(tokens=100)
@@ -278,7 +264,7 @@ def test_a_second_agent_in_the_process_is_warned_about(caplog):
 
 def test_mark_gap_leaves_evaluation_out_of_step_time():
     a = Agent(config=dict(BASE, flops_per_step=1e12, peak_flops=1e13, report_every_steps=2))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     now.t += 0.5
     a.step(tokens=8)
     now.t += 60.0  # evaluation between the steps
@@ -293,7 +279,7 @@ def test_mark_gap_leaves_evaluation_out_of_step_time():
 
 def test_one_measurement_per_report_interval_even_when_one_poll_finds_many_steps():
     a = Agent(config=dict(BASE, flops_per_step=1e9, peak_flops=1e12, report_every_steps=10))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     seen = []
     a.timeline.write_in_order = lambda rec: seen.append(rec) if rec.get("kind") == "step" else None
     for _ in range(35):  # all 35 boundaries are resolved by a single poll
@@ -306,7 +292,7 @@ def test_one_measurement_per_report_interval_even_when_one_poll_finds_many_steps
 
 def test_mfu_above_one_is_reported_with_one_warning(caplog):
     a = Agent(config=dict(BASE, flops_per_step=2e12, peak_flops=1e12, report_every_steps=1))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         for _ in range(3):
             now.t += 1.0

@@ -11,27 +11,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent import op_flops
-from mfuwatch.agent.clock import StepClock
 from mfuwatch.agent.demo import DemoLM, DemoShape
 from mfuwatch.agent.schema import GpuHealth
+from tests.helpers.integration_fixtures import install_fake_clock
 
 BASE = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="t")
 transformers = pytest.importorskip("transformers")
 
-
-class FakeNow:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
-def _fake_clock(agent):
-    now = FakeNow()
-    agent.clock = StepClock(agent.device, now=now)
-    agent.clock.start()
-    return now
 
 
 def _train(agent, model, opt, batches, now):
@@ -60,7 +46,7 @@ def test_mixtral_through_the_agent_within_2_percent_and_breakdown():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=3))
     assert a.run_info.flops_source == "analytic"
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     _train(a, model, opt, [dict(input_ids=x, labels=x)] * 3, now)
     a.close()
     assert a.latest.model_flops == pytest.approx(truth, rel=0.02)
@@ -81,7 +67,7 @@ def test_vit_through_the_agent_counts_images_and_patch_tokens():
     truth = _truth(model, kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=2))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     _train(a, model, opt, [kw] * 2, now)
     a.close()
     assert a.latest.tokens == 2 * 3  # images: the first dimension of pixel_values
@@ -136,7 +122,7 @@ def test_a_formula_that_raises_in_the_counted_step_does_not_reach_training(monke
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=1))
     assert a.run_info.flops_source == "flop_counter"
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         _plain_steps(model, opt, s, 4, now)  # step 2 is the counted one: it must not raise
     a.close()
@@ -165,7 +151,7 @@ def test_a_finish_that_fails_still_switches_the_counter_off(monkeypatch):
     s, model = _demo()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=1))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     n_hooks = len(hooks)
     grew = []
@@ -193,7 +179,7 @@ def test_profile_window_outcomes_other_than_ok_are_counted():
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     a = Agent(model, opt, config=dict(BASE, flops_per_step=1.0, profile_every="2 steps", profile_warmup_steps=0,
                                       profile_active_steps=1))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):  # the user's own profiler
         _plain_steps(model, opt, s, 5, now)
     a.close()

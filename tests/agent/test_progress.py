@@ -10,18 +10,11 @@ import pytest
 from mfuwatch.agent import Agent, ConfigError
 from mfuwatch.agent import agent_thread
 from mfuwatch.agent.clock import StepClock
+from tests.helpers.integration_fixtures import FakeNow
 from mfuwatch.agent.schema import StepMeasurement, WindowMeasurement
 
 BASE = dict(nvml=False, alerts=False, profile_every="off", run="p", flops_per_step=2e12, peak_flops=1e13,
             report_every_steps=5)
-
-
-class FakeNow:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def _run(steps, **cfg):

@@ -11,6 +11,7 @@ import urllib.request
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent.clock import StepClock
+from tests.helpers.integration_fixtures import FakeNow
 
 
 def _rss_mb() -> float:
@@ -23,14 +24,6 @@ def _rss_mb() -> float:
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-class FakeNow:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_soak_50k_steps_flat_memory_threads_and_fds(tmp_path):

@@ -61,12 +61,15 @@ class FakeNow:
         return self.t
 
 
-def install_fake_clock(agent) -> FakeNow:
-    """Give ``agent`` a step clock on fake time (before its first forward, which starts the clock)."""
+def install_fake_clock(agent, start: bool = False) -> FakeNow:
+    """Give ``agent`` a step clock on fake time (before its first forward, which starts the clock;
+    ``start=True`` starts it now, for tests that call the agent's step hooks directly)."""
     from mfuwatch.agent.clock import StepClock
 
     now = FakeNow()
     agent.clock = StepClock(agent.device, now=now)
+    if start:
+        agent.clock.start()
     return now
 
 
