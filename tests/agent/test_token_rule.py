@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent.core import count_tokens
-from tests.agent.test_core import BASE, _fake_clock, _tiny
+from tests.agent.test_core import BASE, _tiny
+from tests.helpers.integration_fixtures import install_fake_clock
 
 
 def test_eval_forward_without_no_grad_is_not_training_tokens():
@@ -16,7 +17,7 @@ def test_eval_forward_without_no_grad_is_not_training_tokens():
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=4,
                                       model_shape={"n_layers": 1, "d_model": 16}))
-    now = _fake_clock(a)
+    now = install_fake_clock(a, start=True)
     for _ in range(4):
         x = torch.randint(0, s.vocab, (s.batch, s.seq))
         model.train()
