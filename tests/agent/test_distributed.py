@@ -18,9 +18,9 @@ import urllib.request
 import pytest
 import yaml
 from tests.helpers.debian_tools import ensure_binary
+from tests.helpers.integration_fixtures import install_fake_clock
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.clock import StepClock
 from mfuwatch.agent import distributed as d
 
 BASE = dict(nvml=False, alerts=False, profile_every="off", report_every_steps=1000)
@@ -166,19 +166,10 @@ def _wait(predicate, timeout: float = 30.0):
     return None
 
 
-class _FakeNow:
-    t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
 def _agent(rank: int, steps: int) -> Agent:
     a = Agent(config=dict(BASE, exporter=True, port=0, run="sd-e2e", job="train-42", rank=rank, local_rank=rank,
                           world_size=2, flops_per_step=1e9, peak_flops=1e10))
-    now = _FakeNow()
-    a.clock = StepClock(a.device, now=now)
-    a.clock.start()
+    now = install_fake_clock(a, start=True)
     for _ in range(steps):
         now.t += 0.5
         a.step(tokens=100)

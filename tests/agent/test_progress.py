@@ -9,8 +9,7 @@ import pytest
 
 from mfuwatch.agent import Agent, ConfigError
 from mfuwatch.agent import agent_thread
-from mfuwatch.agent.clock import StepClock
-from tests.helpers.integration_fixtures import FakeNow
+from tests.helpers.integration_fixtures import install_fake_clock
 from mfuwatch.agent.schema import StepMeasurement, WindowMeasurement
 
 BASE = dict(nvml=False, alerts=False, profile_every="off", run="p", flops_per_step=2e12, peak_flops=1e13,
@@ -20,9 +19,7 @@ BASE = dict(nvml=False, alerts=False, profile_every="off", run="p", flops_per_st
 def _run(steps, **cfg):
     """``steps`` steps of 0.25 s and 4096 tokens each on a fake clock; returns the closed agent."""
     a = Agent(config=dict(BASE, **cfg))
-    now = FakeNow()
-    a.clock = StepClock(a.device, now=now)
-    a.clock.start()
+    now = install_fake_clock(a, start=True)
     for _ in range(steps):
         now.t += 0.25
         a.step(tokens=4096)

@@ -10,8 +10,7 @@ import time
 import urllib.request
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.clock import StepClock
-from tests.helpers.integration_fixtures import FakeNow
+from tests.helpers.integration_fixtures import install_fake_clock
 
 
 def _rss_mb() -> float:
@@ -32,9 +31,7 @@ def test_soak_50k_steps_flat_memory_threads_and_fds(tmp_path):
                alerts={"notifiers": [{"type": "console", "stream": "log"}], "evaluation_interval": "100ms",
                        "rules": {"MfuLow": {"for": "0s", "cooldown": "0s"}}})
     a = Agent(config=cfg)
-    now = FakeNow()
-    a.clock = StepClock(a.device, now=now)
-    a.clock.start()
+    now = install_fake_clock(a, start=True)
     samples = []
     try:
         for i in range(1, 50_001):

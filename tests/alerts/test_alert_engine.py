@@ -15,28 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from mfuwatch.agent.schema import GpuHealth, StepMeasurement, WindowMeasurement
 from mfuwatch.alerts import AlertEngine
-
-
-class Capture:
-    """Stands in for a NotifierWorker: records what the engine submits, synchronously."""
-
-    name = "capture"
-
-    def __init__(self):
-        self.sent = []
-
-    def submit(self, notification):
-        self.sent.append(notification)
-        return True
-
-    def begin_close(self, deadline):
-        pass
-
-    def close(self, deadline):
-        return True
-
-    def alerts(self):
-        return [(a.name, a.status) for n in self.sent for a in n.alerts]
+from tests.helpers.capture_notifier import Capture
 
 
 def step(mfu=0.5, i=1):

@@ -14,27 +14,11 @@ from mfuwatch.alerts import AlertEngine
 from mfuwatch.alerts.notifiers.console import alert_lines
 from mfuwatch.alerts.notifiers.slack import alert_blocks
 from mfuwatch.alerts.signals import HANG_FRAME_CHARS, HANG_FRAMES, hang_context
+from tests.helpers.capture_notifier import Capture
 
 STALL = {"inhibit_rules": [], "notifiers": [], "rules": {"TrainingStalled": {"threshold": 60, "for": "0s"}}}
 #: 12 frames, outermost first, as the agent's watchdog writes them
 STACK = [f"/job/train.py:{10 + i} in level_{i}" for i in range(11)] + ["/usr/lib/python3/queue.py:180 in get"]
-
-
-class Capture:
-    name = "capture"
-
-    def __init__(self):
-        self.sent = []
-
-    def submit(self, n):
-        self.sent.append(n)
-        return True
-
-    def begin_close(self, deadline):
-        pass
-
-    def close(self, deadline):
-        return True
 
 
 def step(i=1):
