@@ -138,6 +138,9 @@ def parse_routes(items: Any, notifier_names: Sequence[str], rules: Sequence[Any]
     for i, item in enumerate(items):
         w = f"routes[{i}]"
         item = require_mapping(item, w)
+        if "receiver" in item and "notifiers" not in item:
+            raise AlertConfigError(f"{w}.receiver: mfuwatch routes name a list of notifiers: write "
+                                   f"notifiers: [{item['receiver']}] (Alertmanager's receiver is one name)")
         check_keys(item, ROUTE_KEYS, w)
         if "notifiers" not in item:
             raise AlertConfigError(f"{w}.notifiers: a route needs the notifiers it sends to, e.g. [pagerduty]; "
