@@ -149,11 +149,21 @@ class EmailNotifier(Notifier):
                 smtp.starttls(context=ctx)
                 smtp.ehlo()
             if self._username is not None and self._password is not None:
-                smtp.login(self._username.reveal(), self._password.reveal())
+                self._login(smtp, self._username.reveal(), self._password.reveal())
         except BaseException:
             smtp.close()
             raise
         return smtp
+
+    @staticmethod
+    def _login(smtp: smtplib.SMTP, user: str, password: str) -> None:
+        """AUTH PLAIN when offered (RFC 4616; inside TLS), else ``SMTP.login``'s choice. One mechanism only:
+        ``login`` tries each offered one after a rejection, and servers lock accounts after failed logins."""
+        if "plain" in smtp.esmtp_features.get("auth", "").lower().split():
+            smtp.user, smtp.password = user, password
+            smtp.auth("PLAIN", smtp.auth_plain)
+        else:
+            smtp.login(user, password)
 
     def _send(self, msg: EmailMessage) -> Attempt:
         """One SMTP session: connect, TLS, login, send. ``(outcome or None to retry, reason, None)``."""

@@ -63,7 +63,8 @@ def title(notification: Notification) -> str:
     if len(alerts) == 1:
         return f"[{status}] {alerts[0].name} · run {run}"
     firing = sum(1 for a in alerts if a.status == "firing")
-    return f"[{status}:{firing}] {len(alerts)} alerts · run {run}"
+    count = f":{firing}" if firing else ""
+    return f"[{status}{count}] {len(alerts)} alerts · run {run}"
 
 
 def source(a: AlertSnapshot) -> str:

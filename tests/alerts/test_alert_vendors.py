@@ -35,7 +35,10 @@ def stall_alert(**over):
                 annotations={"summary": "No training step for 12m on run run-a rank 0",
                              "waiting_at": "all_reduce (torch/distributed/distributed_c10d.py:2501)",
                              "runbook_url": "https://example.org/runbooks/TrainingStalled.md"},
-                starts_at=1_700_000_100.0, ends_at=None, value=720.0, threshold=600.0, op=">", unit="seconds")
+                starts_at=1_700_000_100.0, ends_at=None, value=720.0, threshold=600.0, op=">", unit="seconds",
+                context={"hang": {"where": "all_reduce (torch/distributed/distributed_c10d.py:2501)",
+                                  "frames": ["all_reduce (torch/distributed/distributed_c10d.py:2501)",
+                                             "train_step (train.py:88)"]}})
     base.update(over)
     return AlertSnapshot(**base)
 
