@@ -198,9 +198,10 @@ def _secret_sources(n) -> str:
 
 
 def _test_cases(cfg, run: str, host: str):
-    """``(what, labels)`` of the synthetic test alerts: one per route (labels that satisfy its matchers), or one
-    ``info`` alert when there are no routes. A route whose matchers cannot be satisfied gets ``None``."""
-    from .routing import sample_labels
+    """``(what, labels)`` of the synthetic test alerts: one per route, labelled so that it matches the route and
+    reaches it past the routes before it (a severity that no earlier route without ``continue`` takes), or
+    one ``info`` alert when there are no routes. ``labels`` is ``None`` for a route no test alert can reach."""
+    from .routing import route, sample_labels
     from .rules import SEVERITIES
 
     base = {"alertname": "MfuwatchTest", "severity": "info", "run": run, "rank": "0", "host": host}
@@ -209,8 +210,13 @@ def _test_cases(cfg, run: str, host: str):
     values = {"severity": SEVERITIES, "alertname": [r.name for r in cfg.rules]}
     out = []
     for i, r in enumerate(cfg.routes):
-        labels = sample_labels(r, {**base, "test_route": str(i)}, values)
-        out.append((f"route[{i}] {', '.join(str(m) for m in r.matchers) or '(catch-all)'}", labels))
+        found = None
+        for severity in SEVERITIES[::-1]:
+            labels = sample_labels(r, {**base, "severity": severity, "test_route": str(i)}, values)
+            if labels is not None and i in route(cfg.routes, labels)[1]:
+                found = labels
+                break
+        out.append((f"route[{i}] {', '.join(str(m) for m in r.matchers) or '(catch-all)'}", found))
     return out
 
 
@@ -231,7 +237,8 @@ def _test_notify(cfg, run: str, timeout: float) -> int:
     ok = True
     for what, labels in _test_cases(cfg, run, info.host):
         if labels is None:
-            print(f"{what}: cannot build labels that match it (a regular expression too general); not tested")
+            print(f"{what}: no test alert reaches it (earlier routes take every alert it matches, or a regular "
+                  "expression too general to invert); not tested")
             ok = False
             continue
         severity = labels.get("severity") if labels.get("severity") in SEVERITIES else "info"
