@@ -37,7 +37,7 @@ from ..model import AlertSnapshot, Notification
 from ..secrets import Secret, resolve_secret
 from .base import Notifier
 from .http import Attempt, retry_loop
-from .text import cut, facts, fix_line, links, plain_lines, shown_fixes, source, title
+from .text import cut, facts, fix_line, links, plain_with_links, shown_fixes, source, title
 
 DEFAULT_PORTS = {"starttls": 587, "tls": 465, "none": 25}
 MAX_SUBJECT = 200
@@ -48,8 +48,7 @@ def text_body(notification: Notification) -> str:
     """The plain-text part: the title, then the console's lines of each alert and its links."""
     out = [title(notification), ""]
     for a in notification.alerts:
-        out += plain_lines(a)
-        out += [f"  {label}: {url}" for label, url in links(a)]
+        out += plain_with_links(a)
         out.append("")
     return "\n".join(out)
 

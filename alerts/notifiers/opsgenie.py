@@ -33,7 +33,7 @@ from ..secrets import Secret, resolve_secret
 from ..templates import fmt_duration
 from .http import HttpNotifier
 from .pagerduty import post_each
-from .text import cut, facts, fit_lines, fix_details, links, plain_lines, source
+from .text import cut, facts, fit_lines, fix_details, links, plain_with_links, source
 
 BASE_URLS = {"us": "https://api.opsgenie.com", "eu": "https://api.eu.opsgenie.com"}
 MAX_MESSAGE = 130
@@ -81,7 +81,7 @@ def og_tags(a: AlertSnapshot) -> List[str]:
 
 def create_body(a: AlertSnapshot, priority_map: Dict[str, str]) -> Dict[str, Any]:
     """The "Create Alert" body of a firing alert."""
-    lines = plain_lines(a) + [f"{label}: {url}" for label, url in links(a)]
+    lines = plain_with_links(a)
     return {"message": og_message(a), "alias": a.fingerprint[:MAX_ALIAS],
             "description": fit_lines(lines, MAX_DESCRIPTION),
             "priority": priority_map.get(a.severity, PRIORITY.get(a.severity, "P3")),

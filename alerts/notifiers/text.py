@@ -126,3 +126,10 @@ def links(a: AlertSnapshot) -> List[tuple]:
 def plain_lines(a: AlertSnapshot) -> List[str]:
     """The console's lines of one alert (firing: summary, value, where it waits, fixes, runbook; resolved: one)."""
     return resolved_lines(a) if a.status == "resolved" else alert_lines(a)
+
+
+def plain_with_links(a: AlertSnapshot, indent: str = "  ") -> List[str]:
+    """:func:`plain_lines` and then the links they do not already hold (the dashboard; the runbook is there)."""
+    lines = plain_lines(a)
+    text = "\n".join(lines)
+    return lines + [f"{indent}{label}: {url}" for label, url in links(a) if url not in text]
