@@ -88,6 +88,16 @@ class Notifier(ABC):
         then. ``on_retry()`` counts one retry.
         """
 
+    def rendered(self, render: Callable[[Notification], object], notification: Notification) -> Optional[object]:
+        """``render(notification)``, or ``None`` (logged once) when it raises: a rendering bug fails one
+        notification (the caller returns ``"failed"``), never the delivery thread."""
+        try:
+            return render(notification)
+        except Exception as exc:  # noqa: BLE001
+            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
+                           type(exc).__name__)
+            return None
+
     def warn_once(self, key: str, message: str, *args) -> None:
         """Log ``message`` at WARNING the first time for ``key``, at DEBUG afterwards. Never logs secrets."""
         level = logging.DEBUG if key in self._warned else logging.WARNING

@@ -35,7 +35,7 @@ import requests
 
 from ..model import AlertSnapshot, Notification, rfc3339
 from .http import HttpNotifier
-from .text import cut, facts, fit_lines, fix_line, links, shown_fixes, source, title
+from .text import MAX_URL, cut, facts, fit_lines, fix_line, links, shown_fixes, source, title
 
 MAX_CONTENT = 2000
 MAX_EMBEDS = 10
@@ -79,7 +79,7 @@ def alert_embed(a: AlertSnapshot, budget: int = MAX_EMBED_TOTAL) -> Dict[str, An
     ts = a.ends_at if a.status == "resolved" and a.ends_at else a.starts_at
     if ts:
         e["timestamp"] = rfc3339(ts)
-    if a.dashboard_url:
+    if a.dashboard_url and len(a.dashboard_url) <= MAX_URL:
         e["url"] = a.dashboard_url
     room = min(MAX_DESCRIPTION, budget - embed_size(e))
     e["description"] = fit_lines(description_lines(a), max(0, room)) if room > 0 else ""

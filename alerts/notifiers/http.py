@@ -133,13 +133,8 @@ class HttpNotifier(Notifier):
         raise NotImplementedError
 
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        try:
-            body = self.render(notification)
-        except Exception as exc:  # noqa: BLE001 - a rendering bug is a failed notification, not a crash
-            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
-                           type(exc).__name__)
-            return "failed"
-        return self.post_json(body, wait, on_retry)
+        body = self.rendered(self.render, notification)
+        return "failed" if body is None else self.post_json(body, wait, on_retry)
 
     def endpoint(self, override: Optional[str] = None) -> str:
         """The URL to POST to: ``override``, else the secret URL; with the config's ``api_url`` set, its scheme,

@@ -120,11 +120,8 @@ class EmailNotifier(Notifier):
         return msg
 
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        try:
-            msg = self.message(notification)
-        except Exception as exc:  # noqa: BLE001
-            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
-                           type(exc).__name__)
+        msg = self.rendered(self.message, notification)
+        if msg is None:
             return "failed"
         outcome = retry_loop(self, lambda: self._send(msg), wait, on_retry, self._rng, self.retry_delays)
         if outcome == "sent":

@@ -123,11 +123,8 @@ class OpsgenieNotifier(HttpNotifier):
         return out
 
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        try:
-            reqs = self.requests_for(notification)
-        except Exception as exc:  # noqa: BLE001
-            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
-                           type(exc).__name__)
+        reqs = self.rendered(self.requests_for, notification)
+        if reqs is None:
             return "failed"
         return post_each(self, [b for _, b in reqs], wait, on_retry, None,
                          headers={"Authorization": "GenieKey " + self._key.reveal()}, urls=[u for u, _ in reqs])

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional
 from ..model import AlertSnapshot, Notification, rfc3339
 from ..secrets import Secret, resolve_secret
 from .http import HttpNotifier
-from .text import cut, facts, fit_lines, fix_details, links, plain_lines, source
+from .text import MAX_URL, cut, facts, fit_lines, fix_details, links, plain_lines, source
 
 DEFAULT_URL = "https://events.pagerduty.com/v2/enqueue"
 MAX_SUMMARY = 1024
@@ -83,7 +83,7 @@ def trigger_event(a: AlertSnapshot, routing_key: str, severity_map: Dict[str, st
     if event["payload"]["timestamp"] is None:
         del event["payload"]["timestamp"]
     client_url = a.dashboard_url or external_url
-    if client_url:
+    if client_url and len(client_url) <= MAX_URL:
         event["client_url"] = client_url
     return shrink(event)
 
@@ -127,11 +127,8 @@ class PagerDutyNotifier(HttpNotifier):
                 else resolve_event(a, key) for a in notification.alerts]
 
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        try:
-            events = self.events(notification)
-        except Exception as exc:  # noqa: BLE001
-            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
-                           type(exc).__name__)
+        events = self.rendered(self.events, notification)
+        if events is None:
             return "failed"
         return post_each(self, events, wait, on_retry, self.config.api_url or DEFAULT_URL)
 

@@ -113,14 +113,19 @@ def facts(a: AlertSnapshot) -> List[tuple]:
     return out
 
 
+#: A URL longer than this is left out of links (a cut URL leads nowhere; browsers and vendors stop near 2 KB).
+MAX_URL = 2048
+
+
 def links(a: AlertSnapshot) -> List[tuple]:
-    """``(label, url)`` of the runbook and the Grafana dashboard filtered to the run (when known)."""
+    """``(label, url)`` of the runbook and the Grafana dashboard filtered to the run (when known and at most
+    :data:`MAX_URL` characters long)."""
     out = []
     if a.annotations.get("runbook_url"):
         out.append(("Runbook", a.annotations["runbook_url"]))
     if a.dashboard_url:
         out.append((f"Grafana: run {a.labels.get('run', '')}", a.dashboard_url))
-    return out
+    return [(label, url) for label, url in out if len(url) <= MAX_URL]
 
 
 def plain_lines(a: AlertSnapshot) -> List[str]:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.receiver import free_port
 from helpers.vendor_receivers import DiscordReceiver, PagerDutyReceiver, TeamsReceiver
 from test_alert_slack import mb_alert
 from test_alert_vendors import PD_KEY, group, stall_alert
@@ -123,6 +122,15 @@ def test_the_example_routes_config_checks(monkeypatch, capsys):
     assert "notifier pagerduty (pagerduty) routing key from $MFUWATCH_PAGERDUTY_ROUTING_KEY" in out
     assert "notifier email (email) username from $MFUWATCH_SMTP_USERNAME, password from $MFUWATCH_SMTP_PASSWORD" in out
     assert PD_KEY not in out
+    assert main(["show-config", "--config", str(EXAMPLE)]) == 0
+    dump = yaml.safe_load(capsys.readouterr().out)
+    assert dump["routes"] == yaml.safe_load(EXAMPLE.read_text())["routes"]
+    assert {n["type"]: n.get("routing_key_env") or n.get("api_key_env") or n.get("url_env") or n.get("password_env")
+            for n in dump["notifiers"]} == {
+        "pagerduty": "MFUWATCH_PAGERDUTY_ROUTING_KEY", "opsgenie": "MFUWATCH_OPSGENIE_API_KEY",
+        "slack": "MFUWATCH_SLACK_WEBHOOK_URL", "teams": "MFUWATCH_TEAMS_WORKFLOW_URL",
+        "discord": "MFUWATCH_DISCORD_WEBHOOK_URL", "email": "MFUWATCH_SMTP_PASSWORD"}
+    assert not any(v in yaml.safe_dump(dump) for v in EXAMPLE_ENV.values() if len(v) > 2)  # names, never values
     monkeypatch.delenv("MFUWATCH_OPSGENIE_API_KEY")
     assert main(["check", "--config", str(EXAMPLE)]) == 2  # a secret that cannot be read fails the check
     assert "MFUWATCH_OPSGENIE_API_KEY is not set" in capsys.readouterr().err

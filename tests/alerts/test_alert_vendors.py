@@ -249,7 +249,9 @@ def test_teams_adaptive_card_firing_resolved_and_oversized(monkeypatch):
     assert card_texts(TeamsReceiver.card(res))[:2] == ["[RESOLVED] TrainingStalled · run run-a",
                                                        "TrainingStalled (resolved)"]
     assert len(huge.body) <= 28 * 1024
-    last = card_texts(TeamsReceiver.card(huge))[-1]
+    huge_texts = card_texts(TeamsReceiver.card(huge))
+    assert "Alert0 (info)" in huge_texts  # the first alerts are shown, cut; the rest are named
+    last = huge_texts[-1]
     assert last.startswith("…and ") and "more: Alert" in last
     assert_fix_lines_whole(huge.json)
 
@@ -414,3 +416,14 @@ def test_the_stand_ins_reject_what_the_vendors_document_as_invalid():
                               "payload": {"summary": "s", "source": "x", "severity": "info"}}) == 202
         assert _post(dc.url, {"content": "hello"}) == 204
     assert len(pd.violations) >= 3 and len(og.violations) >= 3 and tm.violations and len(dc.violations) >= 2
+
+
+@pytest.mark.parametrize("kind", sorted(VENDORS))
+def test_a_notification_that_cannot_be_rendered_fails_alone(kind, monkeypatch, caplog):
+    rx, spec = VENDORS[kind](monkeypatch, port=free_port())
+    broken = mb_alert(context={"suggestions": [{"kernel": "rms_norm"}]})  # no apply line, no gain: a bug upstream
+    with rx, caplog.at_level(logging.WARNING, logger="mfuwatch.alerts"):
+        _, counts = run(spec, group(broken), Notification({"run": "other"}, (stall_alert(),)))
+        assert len(rx.delivered) == 1 and rx.violations == []  # the next notification still went out
+    assert counts["failed"] == 1 and counts["sent"] == 1
+    assert any("could not render a notification (KeyError)" in r.getMessage() for r in caplog.records)
