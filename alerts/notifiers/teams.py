@@ -1,11 +1,10 @@
 """Microsoft Teams notifier: an Adaptive Card posted to a Workflows webhook ("When a Teams webhook request is received").
 
 Microsoft retired the Office 365 connector webhooks; a Workflows webhook accepts
-only Adaptive Cards, wrapped in a message with one attachment (Microsoft Learn,
-"Create incoming webhooks with Workflows for Microsoft Teams",
-support.microsoft.com/office/create-incoming-webhooks-with-workflows-for-microsoft-teams-8ae491c7-0394-4861-ba59-055e33f75498;
-"Send Adaptive Cards using an Incoming Webhook" and "Limits and specifications",
-learn.microsoft.com/microsoftteams/platform/webhooks-and-connectors/how-to/add-incoming-webhook;
+only Adaptive Cards ("Workflows support Adaptive Cards only", Microsoft Learn, "Create and
+send messages", learn.microsoft.com/microsoftteams/platform/webhooks-and-connectors/how-to/connectors-using),
+wrapped in a message with one attachment ("Send Adaptive Cards using an Incoming Webhook"
+and the 28 KB message limit, learn.microsoft.com/microsoftteams/platform/webhooks-and-connectors/how-to/add-incoming-webhook;
 card schema: adaptivecards.io/explorer)::
 
     POST <the workflow's HTTP URL>                        (url_env / url_file: the URL, with its sig=, is the secret)
