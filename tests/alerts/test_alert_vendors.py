@@ -12,6 +12,7 @@ import logging
 import time
 
 import pytest
+from helpers.alertmanager_proc import alertmanager, post_alerts
 from helpers.receiver import Reply, free_port
 from helpers.vendor_receivers import DiscordReceiver, OpsgenieReceiver, PagerDutyReceiver, TeamsReceiver
 from prometheus_client import generate_latest
@@ -21,7 +22,7 @@ from test_alert_slack import APPLY, mb_alert
 from mfuwatch.agent.schema import GpuHealth
 from mfuwatch.alerts import AlertEngine
 from mfuwatch.alerts.config import parse_notifier
-from mfuwatch.alerts.model import AlertSnapshot, Notification
+from mfuwatch.alerts.model import AlertSnapshot, Notification, rfc3339
 from mfuwatch.alerts.notifiers import build_notifier
 from mfuwatch.alerts.notifiers.base import NotifierWorker
 
@@ -427,3 +428,29 @@ def test_a_notification_that_cannot_be_rendered_fails_alone(kind, monkeypatch, c
         assert len(rx.delivered) == 1 and rx.violations == []  # the next notification still went out
     assert counts["failed"] == 1 and counts["sent"] == 1
     assert any("could not render a notification (KeyError)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_stand_ins_accept_what_a_real_alertmanager_sends(alertmanager_bin, tmp_path):
+    """Alertmanager's own PagerDuty, Opsgenie and Discord integrations pass the stand-ins' checks, firing and
+    resolved: the checks describe the vendors' formats, not only this project's notifiers."""
+    (tmp_path / "pd").write_text(PD_KEY)
+    (tmp_path / "og").write_text(TOKEN)
+    with PagerDutyReceiver(PD_KEY) as pd, OpsgenieReceiver(TOKEN) as og, DiscordReceiver() as dc:
+        cfg = f"""
+route: {{receiver: all, group_by: [run], group_wait: 0s, group_interval: 1s, repeat_interval: 1h}}
+receivers:
+  - name: all
+    pagerduty_configs: [{{url: "{pd.url}", routing_key_file: "{tmp_path / 'pd'}", send_resolved: true}}]
+    opsgenie_configs: [{{api_url: "{og.base}/", api_key_file: "{tmp_path / 'og'}", send_resolved: true}}]
+    discord_configs: [{{webhook_url: "{dc.url}", send_resolved: true}}]
+"""
+        a = mb_alert()
+        alert = {"labels": dict(a.labels), "annotations": dict(a.annotations), "startsAt": rfc3339(a.starts_at)}
+        with alertmanager(alertmanager_bin, cfg, tmp_path) as base:
+            post_alerts(base, [alert])
+            assert pd.wait_for(1, 30) and og.wait_for(1, 30) and dc.wait_for(1, 30), "Alertmanager sent nothing"
+            post_alerts(base, [{**alert, "endsAt": rfc3339(a.starts_at + 60)}])
+            assert pd.wait_for(2, 30) and og.wait_for(2, 30) and dc.wait_for(2, 30), "no resolved notification"
+        assert pd.violations == [] and og.violations == [] and dc.violations == []
+    assert [e["event_action"] for e in pd.events()] == ["trigger", "resolve"] and pd.open == {}
+    assert og.open == {} and og.unpaired_closes == []  # Alertmanager also closes by alias
