@@ -5,7 +5,7 @@
     mfuwatch alerts check [--config FILE]                 # validate; list the rules and notifiers
     mfuwatch alerts show-config [--config FILE]           # the effective config as YAML (no secrets)
     mfuwatch alerts render-prometheus [--config FILE] [--output FILE]
-    mfuwatch alerts test-notify [--config FILE] [--run NAME]   # send a test alert, firing then resolved
+    mfuwatch alerts test-notify [--config FILE] [--run NAME]   # a test alert, firing then resolved, per route
 
 ``FILE`` is an alert config, or an agent config whose ``alerts:`` key holds one (an agent
 config without that key, such as the README's ``bind: …`` file, means the built-in rules).
@@ -171,40 +171,107 @@ def _check(cfg) -> int:
               f"{format_duration(r.cooldown_seconds):>8}  {path:<10}  {rule_expr(r)}{state}")
     print()
     for n in cfg.notifiers:
-        where = n.url_env and f"url from ${n.url_env}" or n.url_file and f"url from {n.url_file}" or ""
-        print(f"notifier {n.name} ({n.type}) {where}".rstrip())
-    print(f"silences: {len(cfg.silences)}, inhibit rules: {len(cfg.inhibit_rules)}; config OK")
+        print(f"notifier {n.name} ({n.type}) {_secret_sources(n)}".rstrip())
+    if cfg.routes:
+        from .routing import route_warnings
+
+        for i, r in enumerate(cfg.routes):
+            when = ", ".join(str(m) for m in r.matchers) or "every other alert"
+            print(f"route[{i}] {when} -> {', '.join(r.notifiers)}{' (continue)' if r.continue_ else ''}")
+        for w in route_warnings(cfg.routes, [n.name for n in cfg.notifiers]):
+            print(f"warning: {w}", file=sys.stderr)
+    print(f"silences: {len(cfg.silences)}, inhibit rules: {len(cfg.inhibit_rules)}, routes: {len(cfg.routes)}; "
+          "config OK")
     return 0
 
 
+def _secret_sources(n) -> str:
+    """Where a notifier's secrets come from (``url from $MFUWATCH_SLACK_WEBHOOK_URL``), never their values."""
+    from .config import TYPE_SECRETS
+
+    out = []
+    for secret, _ in TYPE_SECRETS[n.type]:
+        env, file = getattr(n, f"{secret}_env"), getattr(n, f"{secret}_file")
+        if env or file:
+            out.append(f"{secret.replace('_', ' ')} from {'$' + env if env else file}")
+    return ", ".join(out)
+
+
+def _test_cases(cfg, run: str, host: str):
+    """``(what, labels)`` of the synthetic test alerts: one per route, labelled so that it matches the route and
+    reaches it past the routes before it (a severity that no earlier route without ``continue`` takes), or
+    one ``info`` alert when there are no routes. ``labels`` is ``None`` for a route no test alert can reach."""
+    from .routing import route, sample_labels
+    from .rules import SEVERITIES
+
+    base = {"alertname": "MfuwatchTest", "severity": "info", "run": run, "rank": "0", "host": host}
+    if not cfg.routes:
+        return [("every notifier", base)]
+    values = {"severity": SEVERITIES, "alertname": [r.name for r in cfg.rules]}
+    out = []
+    for i, r in enumerate(cfg.routes):
+        found = None
+        for severity in SEVERITIES[::-1]:
+            labels = sample_labels(r, {**base, "severity": severity, "test_route": str(i)}, values)
+            if labels is not None and i in route(cfg.routes, labels)[1]:
+                found = labels
+                break
+        out.append((f"route[{i}] {', '.join(str(m) for m in r.matchers) or '(catch-all)'}", found))
+    return out
+
+
 def _test_notify(cfg, run: str, timeout: float) -> int:
+    """Send a test alert (firing, then resolved) through the routes; with ``routes``, one per route, labelled
+    so that it matches the route, and report where each went and how many messages each notifier delivered."""
     from mfuwatch.agent.schema import RunInfo
 
-    from .model import AlertSnapshot, Notification
     from .engine import AlertEngine
+    from .model import AlertSnapshot, Notification
+    from .routing import route
+    from .rules import SEVERITIES
 
     info = RunInfo(run=run, rank=0, host=socket.gethostname())
     engine = AlertEngine(cfg, run_info=info)
     now = time.time()
-    labels = {"alertname": "MfuwatchTest", "severity": "info", "run": run, "rank": "0", "host": info.host}
-    annotations = {"summary": f"Test notification from `mfuwatch alerts test-notify` (run {run})",
-                   "description": "If you can read this, the notifier is configured correctly."}
-    outcomes = []
-    for status in ("firing", "resolved"):
-        alert = AlertSnapshot(name="MfuwatchTest", status=status, severity="info", labels=labels,
-                              annotations=annotations, starts_at=now, ends_at=now if status == "resolved" else None,
-                              value=None, threshold=0.0, op=">", unit="count")
-        for w in engine.workers:
-            w.submit(Notification({"run": run}, (alert,)))
+    expected = {w.name: 0 for w in engine.workers}
+    ok = True
+    for what, labels in _test_cases(cfg, run, info.host):
+        if labels is None:
+            print(f"{what}: no test alert reaches it (earlier routes take every alert it matches, or a regular "
+                  "expression too general to invert); not tested")
+            ok = False
+            continue
+        severity = labels.get("severity") if labels.get("severity") in SEVERITIES else "info"
+        annotations = {"summary": f"Test notification from `mfuwatch alerts test-notify` (run {run}, {what})",
+                       "description": "If you can read this, the notifier is configured correctly."}
+        names = set(route(cfg.routes, labels)[0]) if cfg.routes else set(expected)
+        takers = [w for w in engine.workers if w.notifier.accepts(Notification({"run": run}, (AlertSnapshot(
+            name=labels["alertname"], status="firing", severity=severity, labels=labels, annotations={},
+            starts_at=now, ends_at=None, value=None, threshold=0.0, op=">", unit="count"),))) is not None]
+        if cfg.routes:
+            print(f"{what}: test alert {', '.join(f'{k}={v}' for k, v in labels.items() if k != 'test_route')} "
+                  f"-> {', '.join(w.name for w in takers) or 'no notifier'}"
+                  + ("" if {w.name for w in takers} >= names else " (some notifiers filter its severity)"))
+        for w in takers:
+            expected[w.name] += 2
+        for status in ("firing", "resolved"):
+            alert = AlertSnapshot(name=labels["alertname"], status=status, severity=severity, labels=labels,
+                                  annotations=annotations, starts_at=now,
+                                  ends_at=now if status == "resolved" else None,
+                                  value=None, threshold=0.0, op=">", unit="count")
+            for w in engine.workers:
+                w.submit(Notification({"run": run, "test_route": labels.get("test_route", "")}, (alert,)))
     for w in engine.workers:
         w.start()
     engine.close(timeout=timeout)
     for w in engine.workers:
         sent = engine.registry.get_sample_value("mfuwatch_notifications_total",
                                                 {"run": run, "rank": "0", "sink": w.name, "outcome": "sent"}) or 0
-        outcomes.append(sent)
-        print(f"{w.name}: {int(sent)} of 2 test notifications delivered")
-    return 0 if all(s >= 2 for s in outcomes) else 1
+        print(f"{w.name}: {int(sent)} of {expected[w.name]} test notifications delivered")
+        ok = ok and sent >= expected[w.name]
+        if expected[w.name] == 0:
+            print(f"{w.name}: no route sends it anything", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":  # python -m mfuwatch.alerts.cli

@@ -1,6 +1,6 @@
 """The notifier interface and the per-notifier queue + thread that keeps delivery off the training loop.
 
-Every notifier (Slack, webhook, console) implements :meth:`Notifier.deliver`.
+Every notifier (console, Slack, webhook, PagerDuty, Opsgenie, Teams, Discord, email) implements :meth:`Notifier.deliver`.
 The engine never calls it directly: it hands notifications to a
 :class:`NotifierWorker`, which owns a bounded queue and one daemon thread per
 notifier, so a slow Slack does not hold back the webhook. ``submit`` never
@@ -47,6 +47,7 @@ from typing import Callable, Deque, List, Optional
 
 from ..config import NotifierConfig
 from ..model import Notification
+from ..routing import routed_to
 
 log = logging.getLogger("mfuwatch.alerts")
 
@@ -69,9 +70,12 @@ class Notifier(ABC):
         return self.config.name
 
     def accepts(self, notification: Notification) -> Optional[Notification]:
-        """The part of ``notification`` this notifier sends (severity and ``send_resolved`` filters), or None."""
+        """The part of ``notification`` this notifier sends (``routes``, severity and ``send_resolved``
+        filters), or None."""
+        routes = self.config.routes
         keep = [a for a in notification.alerts if a.severity in self.config.severities
-                and (a.status == "firing" or self.config.send_resolved)]
+                and (a.status == "firing" or self.config.send_resolved)
+                and (not routes or routed_to(routes, a.labels, self.name))]
         return notification.only(keep) if keep else None
 
     @abstractmethod
@@ -83,6 +87,16 @@ class Notifier(ABC):
         passed, or a newer state of the group superseded it): return ``"dropped"``
         then. ``on_retry()`` counts one retry.
         """
+
+    def rendered(self, render: Callable[[Notification], object], notification: Notification) -> Optional[object]:
+        """``render(notification)``, or ``None`` (logged once) when it raises: a rendering bug fails one
+        notification (the caller returns ``"failed"``), never the delivery thread."""
+        try:
+            return render(notification)
+        except Exception as exc:  # noqa: BLE001
+            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
+                           type(exc).__name__)
+            return None
 
     def warn_once(self, key: str, message: str, *args) -> None:
         """Log ``message`` at WARNING the first time for ``key``, at DEBUG afterwards. Never logs secrets."""

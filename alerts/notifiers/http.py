@@ -1,4 +1,5 @@
-"""HTTP delivery shared by the Slack and webhook notifiers: timeouts, retries, backoff, Retry-After.
+"""HTTP delivery shared by the HTTP notifiers (Slack, webhook, PagerDuty, Opsgenie, Teams, Discord): timeouts,
+retries, backoff, Retry-After.
 
 :class:`HttpNotifier.post_json` sends one JSON body with ``requests`` and retries
 what a later attempt can fix:
@@ -25,7 +26,7 @@ import email.utils
 import json
 import random
 import time
-from typing import Any, Callable, Deque, Dict, Optional
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 import requests
 
@@ -60,22 +61,65 @@ def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> 
     return b / 2.0 + rng.uniform(0.0, b / 2.0)
 
 
+Attempt = Tuple[Optional[str], str, Optional[float]]  # (final outcome or None to retry, reason, retry-after s)
+
+
+def retry_loop(notifier: Notifier, attempt: Callable[[], Attempt], wait: Callable[[float], bool],
+               on_retry: Callable[[], None], rng: random.Random, delays: Deque[float]) -> str:
+    """Call ``attempt()`` until it returns a final outcome, waiting between tries; the one retry policy of
+    every notifier that talks to a server (HTTP here, SMTP in :mod:`.email`).
+
+    ``attempt()`` returns ``(outcome, reason, retry_after)``: ``outcome`` ``"sent"``/``"failed"`` ends the
+    loop; ``None`` means retry, after ``retry_after`` seconds when the server asked for it (capped at
+    ``max_backoff``), else after :func:`backoff_delay`. Gives up (``"failed"``) after ``max_retries`` when
+    the notifier sets it; returns ``"dropped"`` when ``wait`` says the worker gave the notification up.
+    ``reason`` (a status code or an exception *type*) is the only thing logged: never a URL or a secret.
+    """
+    cfg = notifier.config
+    tries = 0
+    while True:
+        outcome, reason, retry_after = attempt()
+        if outcome is not None:
+            return outcome
+        if cfg.max_retries is not None and tries >= cfg.max_retries:
+            notifier.warn_once("gave-up", "mfuwatch alerts: %s still failing after %d retries (%s); notification "
+                               "counted as failed", notifier.name, cfg.max_retries, reason)
+            return "failed"
+        if retry_after is not None:
+            delay = min(retry_after, cfg.max_backoff_seconds)
+        else:
+            delay = backoff_delay(tries, cfg.backoff_seconds, cfg.max_backoff_seconds, rng)
+        delays.append(delay)
+        tries += 1
+        on_retry()
+        notifier.warn_once(f"retry-{reason}", "mfuwatch alerts: %s delivery failed (%s); retry %d (of %s) in "
+                           "%.2fs; retried until delivered, superseded or closed", notifier.name, reason, tries,
+                           "unlimited" if cfg.max_retries is None else cfg.max_retries, delay)
+        if not wait(delay):
+            return "dropped"
+
+
 class HttpNotifier(Notifier):
     """Base for notifiers that POST JSON. Resolves the URL (and token) secrets at construction.
 
-    Raises :class:`~mfuwatch.alerts.secrets.SecretError` (a ``ValueError``) when the
+    Subclasses whose endpoint is not a secret (PagerDuty, Opsgenie: their key is) set
+    ``url_is_secret = False`` and pass ``url=`` to :meth:`post_json`. Raises
+    :class:`~mfuwatch.alerts.secrets.SecretError` (a ``ValueError``) when the
     environment variable or file is missing; the message never holds the value.
     """
 
     content_type = "application/json"
+    url_is_secret = True
 
     def __init__(self, config: NotifierConfig, *, rng: Optional[random.Random] = None) -> None:
         super().__init__(config)
         where = f"notifier {config.name!r}"
-        self._url: Secret = resolve_secret(config.url_env, config.url_file, f"{where} url")
-        if not self._url.reveal().startswith(("http://", "https://")):
-            raise ValueError(f"{where}: the URL from {self._url.source} is not an http(s) URL")
-        check_url(self._url.reveal(), f"{where} (from {self._url.source})", echo=False)  # e.g. port 187020
+        self._url: Optional[Secret] = None
+        if self.url_is_secret:
+            self._url = resolve_secret(config.url_env, config.url_file, f"{where} url")
+            if not self._url.reveal().startswith(("http://", "https://")):
+                raise ValueError(f"{where}: the URL from {self._url.source} is not an http(s) URL")
+            check_url(self._url.reveal(), f"{where} (from {self._url.source})", echo=False)  # e.g. port 187020
         self._token: Optional[Secret] = None
         if config.token_env or config.token_file:
             self._token = resolve_secret(config.token_env, config.token_file, f"{where} token")
@@ -89,61 +133,68 @@ class HttpNotifier(Notifier):
         raise NotImplementedError
 
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        try:
-            body = self.render(notification)
-        except Exception as exc:  # noqa: BLE001 - a rendering bug is a failed notification, not a crash
-            self.warn_once("render", "mfuwatch alerts: %s could not render a notification (%s)", self.name,
-                           type(exc).__name__)
-            return "failed"
-        return self.post_json(body, wait, on_retry)
+        body = self.rendered(self.render, notification)
+        return "failed" if body is None else self.post_json(body, wait, on_retry)
 
-    def post_json(self, body: Dict[str, Any], wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
-        """POST ``body`` with retries; returns ``"sent"``, ``"failed"`` or ``"dropped"`` (closing)."""
+    def endpoint(self, override: Optional[str] = None) -> str:
+        """The URL to POST to: ``override``, else the secret URL; with the config's ``api_url`` set, its scheme,
+        host and port replace the secret URL's (a proxy or a test server), keeping the secret path and query."""
+        if override is not None:
+            return override
+        assert self._url is not None
+        url = self._url.reveal()
+        if self.config.api_url:
+            import urllib.parse
+
+            base, secret = urllib.parse.urlsplit(self.config.api_url), urllib.parse.urlsplit(url)
+            prefix = base.path.rstrip("/")
+            url = urllib.parse.urlunsplit((base.scheme, base.netloc, prefix + secret.path, secret.query, ""))
+        return url
+
+    def retry_after(self, resp: requests.Response) -> Optional[float]:
+        """Seconds the server asks to wait before the next try (``Retry-After``); Discord overrides it."""
+        return parse_retry_after(resp.headers.get("Retry-After"))
+
+    def post_json(self, body: Any, wait: Callable[[float], bool], on_retry: Callable[[], None], *,
+                  url: Optional[str] = None, headers: Optional[Dict[str, str]] = None) -> str:
+        """POST ``body`` with retries; returns ``"sent"``, ``"failed"`` or ``"dropped"`` (closing).
+
+        ``url`` replaces :meth:`endpoint`; ``headers`` are added to the defaults (the bearer token when set).
+        """
         cfg = self.config
         data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        headers = {"Content-Type": self.content_type, "User-Agent": "mfuwatch-alerts"}
+        hdrs = {"Content-Type": self.content_type, "User-Agent": "mfuwatch-alerts"}
         if self._token is not None:
-            headers["Authorization"] = "Bearer " + self._token.reveal()
-        attempt = 0
-        while True:
-            retry_after: Optional[float] = None
+            hdrs["Authorization"] = "Bearer " + self._token.reveal()
+        hdrs.update(headers or {})
+        target = self.endpoint(url)
+
+        def attempt() -> Attempt:
             try:
                 if self._session is None:
                     self._session = requests.Session()
-                resp = self._session.post(self._url.reveal(), data=data, headers=headers,
+                resp = self._session.post(target, data=data, headers=hdrs,
                                           timeout=(cfg.timeout_seconds, cfg.timeout_seconds), allow_redirects=False)
                 status = resp.status_code
-                retry_after = parse_retry_after(resp.headers.get("Retry-After"))
-                resp.close()
+                try:
+                    after = self.retry_after(resp) if status in RETRY_STATUS else None
+                finally:
+                    resp.close()
                 if 200 <= status < 300:
-                    return "sent"
+                    return "sent", "", None
                 if status not in RETRY_STATUS:
                     self.warn_once(f"status-{status}", "mfuwatch alerts: %s answered HTTP %d; not retried",
                                    self.name, status)
-                    return "failed"
-                reason = f"HTTP {status}"
+                    return "failed", f"HTTP {status}", None
+                return None, f"HTTP {status}", after
             except (requests.ConnectionError, requests.Timeout) as exc:
-                reason = type(exc).__name__
+                return None, type(exc).__name__, None
             except requests.RequestException as exc:
                 self.warn_once(type(exc).__name__, "mfuwatch alerts: %s request failed (%s); not retried",
                                self.name, type(exc).__name__)
-                return "failed"
-            if cfg.max_retries is not None and attempt >= cfg.max_retries:
-                self.warn_once("gave-up", "mfuwatch alerts: %s still failing after %d retries (%s); notification "
-                               "counted as failed", self.name, cfg.max_retries, reason)
-                return "failed"
-            if retry_after is not None:
-                delay = min(retry_after, cfg.max_backoff_seconds)
-            else:
-                delay = backoff_delay(attempt, cfg.backoff_seconds, cfg.max_backoff_seconds, self._rng)
-            self.retry_delays.append(delay)
-            attempt += 1
-            on_retry()
-            self.warn_once(f"retry-{reason}", "mfuwatch alerts: %s delivery failed (%s); retry %d (of %s) in %.2fs; "
-                           "retried until delivered, superseded or closed", self.name, reason, attempt,
-                           "unlimited" if cfg.max_retries is None else cfg.max_retries, delay)
-            if not wait(delay):
-                return "dropped"
+                return "failed", type(exc).__name__, None
+
+        return retry_loop(self, attempt, wait, on_retry, self._rng, self.retry_delays)
 
     def close(self) -> None:
         if self._session is not None:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
-import time
-import urllib.request
 
-from helpers.receiver import AlertReceiver, free_port
+from helpers.alertmanager_proc import alertmanager, post_alerts
+from helpers.receiver import AlertReceiver
 
 from mfuwatch.alerts.model import AlertSnapshot, Notification, rfc3339
 from mfuwatch.alerts.notifiers.webhook import webhook_body
@@ -60,44 +58,21 @@ def test_body_fields_firing_and_resolved():
     json.dumps(body)  # JSON-serialisable as is
 
 
-def _post(url, payload):
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=5) as resp:
-        assert resp.status == 200
-
-
 def test_same_format_as_a_real_alertmanager(alertmanager_bin, tmp_path):
     with AlertReceiver() as rx:
-        cfg = tmp_path / "am.yml"
-        cfg.write_text(f"""
+        cfg = f"""
 route: {{receiver: hook, group_by: [run], group_wait: 0s, group_interval: 1s, repeat_interval: 1h}}
 receivers:
   - name: hook
     webhook_configs: [{{url: "{rx.url}", send_resolved: true}}]
-""")
-        port = free_port()
-        proc = subprocess.Popen([alertmanager_bin, f"--config.file={cfg}", f"--storage.path={tmp_path / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            for _ in range(200):
-                try:
-                    with urllib.request.urlopen(base + "/-/ready", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(0.05)
+"""
+        with alertmanager(alertmanager_bin, cfg, tmp_path) as base:
             alert = {"labels": LABELS, "annotations": ANNOTATIONS, "startsAt": rfc3339(STARTS),
                      "generatorURL": "http://127.0.0.1:9478/metrics"}
-            _post(base + "/api/v2/alerts", [alert])
+            post_alerts(base, [alert])
             assert rx.wait_for(1, timeout=30), "Alertmanager sent no webhook"
-            _post(base + "/api/v2/alerts", [{**alert, "endsAt": rfc3339(STARTS + 60)}])
+            post_alerts(base, [{**alert, "endsAt": rfc3339(STARTS + 60)}])
             assert rx.wait_for(2, timeout=30), "Alertmanager sent no resolved webhook"
-        finally:
-            proc.terminate()
-            proc.wait(10)
     theirs_firing, theirs_resolved = rx.received[0].json, rx.received[1].json
     ours_firing = webhook_body(Notification({"run": "run-a"}, (snapshot(),), external_url=""), "hook")
     ours_resolved = webhook_body(Notification({"run": "run-a"}, (snapshot("resolved", ends=STARTS + 60),)), "hook")

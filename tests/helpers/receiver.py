@@ -12,6 +12,11 @@ failing and then recovers::
 
 "Down" is a port nobody listens on: ``port = free_port()`` and start an
 ``AlertReceiver(port=port)`` later to recover.
+
+A vendor stand-in (``tests/helpers/vendor_receivers.py``) passes ``check``: a function
+of the request that returns the ways it breaks the vendor's documented format; a
+request with any is answered 400 (as the vendor would) and its problems are kept in
+:attr:`AlertReceiver.violations`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 
 def free_port() -> int:
@@ -60,8 +65,11 @@ class Received:
 class AlertReceiver:
     """HTTP server on 127.0.0.1 (``port=0``: any free port) recording POSTs; thread-safe."""
 
-    def __init__(self, port: int = 0, path: str = "/hook") -> None:
+    def __init__(self, port: int = 0, path: str = "/hook",
+                 check: Optional[Callable[["Received"], List[str]]] = None) -> None:
         self._port = port
+        self.check = check
+        self.violations: List[str] = []  # what ``check`` found, "path: problem"
         self.path = path
         self._lock = threading.Condition()
         self._script: List[Reply] = []
@@ -82,8 +90,15 @@ class AlertReceiver:
                     rx._lock.notify_all()
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
-                reply = rx._next_reply()
-                rec = Received(self.path, dict(self.headers.items()), body, reply.status, time.monotonic())
+                rec = Received(self.path, dict(self.headers.items()), body, 0, time.monotonic())
+                problems = rx.check(rec) if rx.check is not None else []
+                if problems:
+                    with rx._lock:
+                        rx.violations.extend(f"{self.path}: {p}" for p in problems)
+                    reply = Reply(400, headers={"Content-Type": "application/json"}, body=json.dumps(problems))
+                else:
+                    reply = rx._next_reply()
+                rec.status = reply.status
                 if reply.delay:
                     time.sleep(reply.delay)
                 with rx._lock:

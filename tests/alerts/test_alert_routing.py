@@ -1,0 +1,233 @@
+"""alerts/routing.py, ``mfuwatch alerts check`` / ``test-notify`` with routes, and the Alertmanager example receivers.
+
+Routing is checked three ways: the first-match/continue walk on hand-written label sets; the
+validation messages (the nearest valid name for a typo); and the two example configs
+(docs/examples/alerts/routes.yaml in-process, grafana/alertmanager/receivers.yml for Alertmanager)
+routing every built-in alert to the same receivers — Alertmanager's answer taken from
+``amtool config routes test`` (Debian's prometheus-alertmanager), not from our code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers.vendor_receivers import DiscordReceiver, PagerDutyReceiver, TeamsReceiver
+from test_alert_slack import mb_alert
+from test_alert_vendors import PD_KEY, group, stall_alert
+
+from mfuwatch.alerts import AlertConfigError, load_config
+from mfuwatch.alerts.cli import main
+from mfuwatch.alerts.config import parse_notifier
+from mfuwatch.alerts.notifiers import build_notifier
+from mfuwatch.alerts.routing import Route, parse_routes, route
+from mfuwatch.alerts.matchers import parse_matcher
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "docs" / "examples" / "alerts" / "routes.yaml"
+AM_RECEIVERS = REPO / "grafana" / "alertmanager" / "receivers.yml"
+#: Alertmanager integration -> mfuwatch notifier type
+AM_TYPES = {"pagerduty_configs": "pagerduty", "opsgenie_configs": "opsgenie", "slack_configs": "slack",
+            "msteamsv2_configs": "teams", "discord_configs": "discord", "email_configs": "email"}
+EXAMPLE_ENV = {"MFUWATCH_PAGERDUTY_ROUTING_KEY": PD_KEY, "MFUWATCH_OPSGENIE_API_KEY": "og-key-42",
+               "MFUWATCH_SLACK_WEBHOOK_URL": "https://hooks.example/T/B/X",
+               "MFUWATCH_TEAMS_WORKFLOW_URL": "https://wf.example/workflows/1?sig=S",
+               "MFUWATCH_DISCORD_WEBHOOK_URL": "https://discord.example/api/webhooks/1/T",
+               "MFUWATCH_SMTP_USERNAME": "u", "MFUWATCH_SMTP_PASSWORD": "p"}
+
+
+def R(matchers, notifiers, cont=False):
+    return Route(tuple(parse_matcher(m, "t") for m in matchers), tuple(notifiers), cont)
+
+
+def test_first_match_wins_unless_continue():
+    routes = (R(['severity="critical"'], ["pagerduty"], cont=True), R(['alertname=~"Mfu.*"'], ["slack"]),
+              R([], ["email", "slack"]))
+    assert route(routes, {"severity": "critical", "alertname": "TrainingStalled"}) == (("pagerduty", "email",
+                                                                                        "slack"), (0, 2))
+    assert route(routes, {"severity": "critical", "alertname": "MfuLow"}) == (("pagerduty", "slack"), (0, 1))
+    assert route(routes, {"severity": "warning", "alertname": "MfuLow"}) == (("slack",), (1,))
+    assert route(routes, {"severity": "info", "alertname": "MemoryBoundDominant"}) == (("email", "slack"), (2,))
+    assert route(routes[:2], {"severity": "info", "alertname": "X"}) == ((), ())  # matched nothing
+
+
+NOTIFIERS = [{"type": "console", "name": "pager"}, {"type": "console", "name": "chat", "stream": "stdout"}]
+
+
+@pytest.mark.parametrize("routes, message", [
+    ([{"notifiers": ["pagr"]}], "routes[0].notifiers: no notifier is called 'pagr' (did you mean 'pager'?)"),
+    ([{"matchers": ['severty="critical"'], "notifiers": ["pager"]}],
+     "routes[0].matchers[0]: no alert has a label 'severty' (did you mean 'severity'?)"),
+    ([{"matchers": ['severity="critcal"'], "notifiers": ["pager"]}],
+     "severity 'critcal' is not one of the configured values (did you mean 'critical'?)"),
+    ([{"matchers": ['alertname="MfuLwo"'], "notifiers": ["pager"]}], "(did you mean 'MfuLow'?)"),
+    ([{"matcher": ['severity="critical"'], "notifiers": ["pager"]}], "unknown key 'matcher' (did you mean 'matchers'?)"),
+    ([{"receiver": "pager"}], "write notifiers: [pager]"),
+    ([{"matchers": ["severity=critical"]}], "routes[0].notifiers: a route needs the notifiers"),
+    ([{"matchers": ['severity=~"(crit"'], "notifiers": ["pager"]}], "bad regular expression"),
+    ({"notifiers": ["pager"]}, "routes: expected a list"),
+])
+def test_route_mistakes_fail_at_load_with_the_nearest_name(routes, message):
+    with pytest.raises(AlertConfigError) as info:
+        load_config({"notifiers": NOTIFIERS, "routes": routes})
+    assert message in str(info.value)
+
+
+def test_no_routes_keeps_every_notifier_getting_every_alert_and_routes_filter(caplog):
+    plain = load_config({"notifiers": NOTIFIERS})
+    assert plain.routes == () and all(n.routes == () for n in plain.notifiers)
+    n = group(mb_alert(), stall_alert())
+    for cfg in plain.notifiers:
+        assert build_notifier(cfg).accepts(n) == n  # today's behaviour: no routes, everything
+    routed = load_config({"notifiers": NOTIFIERS, "routes": [{"matchers": ['severity="critical"'],
+                                                              "notifiers": ["pager"]},
+                                                             {"matchers": ['severity="warning"'],
+                                                              "notifiers": ["chat"]}]})
+    pager, chat = (build_notifier(c) for c in routed.notifiers)
+    assert [a.name for a in pager.accepts(n).alerts] == ["TrainingStalled"]
+    with caplog.at_level(logging.WARNING, logger="mfuwatch.alerts"):
+        assert chat.accepts(n) is None and chat.accepts(n) is None
+    unrouted = [r.getMessage() for r in caplog.records if "matches no route" in r.getMessage()]
+    assert len(unrouted) == 1 and "MemoryBoundDominant" in unrouted[0]  # said once, not per notification
+    assert load_config(routed.to_dict() | {"notifiers": NOTIFIERS}).routes == routed.routes  # dump round-trips
+
+
+def test_check_lists_routes_and_warns_about_gaps(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "alerts.yaml"
+    cfg.write_text(yaml.safe_dump({"notifiers": NOTIFIERS + [{"type": "console", "name": "spare"}],
+                                   "routes": [{"matchers": ['severity="critical"'], "notifiers": ["pager"],
+                                               "continue": True},
+                                              {"matchers": ['severity!="info"'], "notifiers": ["chat"]}]}))
+    assert main(["check", "--config", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert 'route[0] severity="critical" -> pager (continue)' in out.out
+    assert 'route[1] severity!="info" -> chat' in out.out and "routes: 2; config OK" in out.out
+    assert "the last route has matchers" in out.err and "notifier spare is named by no route" in out.err
+    cfg.write_text(yaml.safe_dump({"notifiers": NOTIFIERS, "routes": [{"notifiers": ["pagerr"]}]}))
+    assert main(["check", "--config", str(cfg)]) == 2
+    assert "did you mean 'pager'?" in capsys.readouterr().err
+
+
+def test_the_example_routes_config_checks(monkeypatch, capsys):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    for k, v in EXAMPLE_ENV.items():
+        monkeypatch.setenv(k, v)
+    assert main(["check", "--config", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert "notifier pagerduty (pagerduty) routing key from $MFUWATCH_PAGERDUTY_ROUTING_KEY" in out
+    assert "notifier email (email) username from $MFUWATCH_SMTP_USERNAME, password from $MFUWATCH_SMTP_PASSWORD" in out
+    assert PD_KEY not in out
+    assert main(["show-config", "--config", str(EXAMPLE)]) == 0
+    dump = yaml.safe_load(capsys.readouterr().out)
+    assert dump["routes"] == yaml.safe_load(EXAMPLE.read_text())["routes"]
+    assert {n["type"]: n.get("routing_key_env") or n.get("api_key_env") or n.get("url_env") or n.get("password_env")
+            for n in dump["notifiers"]} == {
+        "pagerduty": "MFUWATCH_PAGERDUTY_ROUTING_KEY", "opsgenie": "MFUWATCH_OPSGENIE_API_KEY",
+        "slack": "MFUWATCH_SLACK_WEBHOOK_URL", "teams": "MFUWATCH_TEAMS_WORKFLOW_URL",
+        "discord": "MFUWATCH_DISCORD_WEBHOOK_URL", "email": "MFUWATCH_SMTP_PASSWORD"}
+    assert not any(v in yaml.safe_dump(dump) for v in EXAMPLE_ENV.values() if len(v) > 2)  # names, never values
+    monkeypatch.delenv("MFUWATCH_OPSGENIE_API_KEY")
+    assert main(["check", "--config", str(EXAMPLE)]) == 2  # a secret that cannot be read fails the check
+    assert "MFUWATCH_OPSGENIE_API_KEY is not set" in capsys.readouterr().err
+
+
+def test_test_notify_exercises_every_route(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    monkeypatch.setenv("MFUWATCH_TEST_PD_KEY", PD_KEY)
+    with PagerDutyReceiver(PD_KEY) as pd, DiscordReceiver() as dc, TeamsReceiver() as tm:
+        monkeypatch.setenv("MFUWATCH_TEST_DISCORD_URL", dc.url)
+        monkeypatch.setenv("MFUWATCH_TEST_TEAMS_URL", tm.url)
+        fast = {"backoff": "10ms", "max_backoff": "100ms"}
+        cfg = tmp_path / "alerts.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "notifiers": [{"type": "pagerduty", "routing_key_env": "MFUWATCH_TEST_PD_KEY", "api_url": pd.url, **fast},
+                          {"type": "discord", "url_env": "MFUWATCH_TEST_DISCORD_URL", **fast},
+                          {"type": "teams", "url_env": "MFUWATCH_TEST_TEAMS_URL", **fast}],
+            "routes": [{"matchers": ['severity="critical"'], "notifiers": ["pagerduty"], "continue": True},
+                       {"matchers": ['severity=~"info|warning"'], "notifiers": ["discord"]},
+                       {"notifiers": ["teams"]}]}))
+        assert main(["test-notify", "--config", str(cfg), "--timeout", "10"]) == 0
+        out = capsys.readouterr().out
+        assert pd.violations == dc.violations == tm.violations == []
+        pd_events = pd.events()
+    # route[0]'s critical alert continues to teams; route[2]'s (critical too) also passes route[0]: pagerduty
+    assert "pagerduty: 4 of 4 test notifications delivered" in out
+    assert "discord: 2 of 2 test notifications delivered" in out and "teams: 4 of 4" in out
+    assert [e["event_action"] for e in pd_events] == ["trigger", "resolve"] * 2 and pd.open == {}
+    assert {e["payload"]["severity"] for e in pd_events if "payload" in e} == {"critical"}
+    # route[2] is reached by a critical test alert (route[0] continues; route[1] takes info and warning)
+    assert re.search(r"route\[2\] \(catch-all\): test alert .*severity=critical.* -> pagerduty, teams", out), out
+    assert re.search(r"route\[1\] severity=~\"info\|warning\": test alert .*severity=info.* -> discord", out), out
+
+
+# -- the Alertmanager example receivers --------------------------------------------------------------------------
+
+def amtool_version(amtool):
+    out = subprocess.run([amtool, "--version"], capture_output=True, text=True, timeout=60)
+    m = re.search(r"version (\d+)\.(\d+)", out.stdout + out.stderr)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+#: fields of receivers.yml newer than Debian 12's Alertmanager 0.25, with the version that added them
+NEWER = {"msteamsv2_configs": (0, 28), "webhook_url_file": (0, 26)}
+
+
+def checkable_config(amtool, tmp_path) -> Path:
+    """receivers.yml as this amtool can read it: whole from 0.28 on; before that, without the receiver
+    integrations it does not know yet — after checking that amtool's complaints name exactly those."""
+    version = amtool_version(amtool)
+    if version >= (0, 28):
+        return AM_RECEIVERS
+    out = subprocess.run([amtool, "check-config", str(AM_RECEIVERS)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    unknown = set(re.findall(r"field (\w+) not found", out.stdout + out.stderr))
+    assert unknown and unknown <= {k for k, v in NEWER.items() if version < v}, out.stdout + out.stderr
+    doc = yaml.safe_load(AM_RECEIVERS.read_text())
+    for r in doc["receivers"]:
+        r.pop("msteamsv2_configs", None)
+        if version < (0, 26):
+            r.pop("discord_configs", None)
+    path = tmp_path / "receivers-as-readable.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def test_alertmanager_receivers_pass_amtool(amtool, tmp_path):
+    path = checkable_config(amtool, tmp_path)
+    out = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "3 receivers" in out.stdout and "1 inhibit rules" in out.stdout
+    text = AM_RECEIVERS.read_text()
+    assert not re.search(r"(routing_key|api_key|auth_password|webhook_url|api_url):\s*[^/\s]", text.replace(
+        "api_url: https://api.eu.opsgenie.com/", "")), "a secret written into the example"
+
+
+def test_both_paths_route_every_built_in_alert_to_the_same_places(amtool, tmp_path, monkeypatch):
+    path = checkable_config(amtool, tmp_path)
+    doc = yaml.safe_load(AM_RECEIVERS.read_text())
+    integrations = {r["name"]: {AM_TYPES[k] for k in r if k in AM_TYPES} for r in doc["receivers"]}
+    assert set().union(*integrations.values()) == set(AM_TYPES.values())  # every receiver type is configured
+    for k, v in EXAMPLE_ENV.items():
+        monkeypatch.setenv(k, v)
+    ours = load_config(EXAMPLE)
+    types = {n.name: n.type for n in ours.notifiers}
+    assert sorted(types.values()) == sorted(AM_TYPES.values())
+    for rule in ours.rules:
+        labels = {"alertname": rule.name, "severity": rule.severity, "run": "r"}
+        res = subprocess.run([amtool, "config", "routes", "test", f"--config.file={path}",
+                              *(f"{k}={v}" for k, v in labels.items())], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        theirs = set().union(*(integrations[name] for name in res.stdout.strip().split(",")))
+        mine = {types[n] for n in route(ours.routes, labels)[0]}
+        assert mine == theirs, (rule.name, rule.severity)
+
+
+def test_parse_routes_without_notifiers_configured_says_so():
+    with pytest.raises(AlertConfigError, match="configured: none"):
+        parse_routes([{"notifiers": ["slack"]}], [])
+    assert parse_notifier({"type": "discord", "url_env": "X", "api_url": "http://127.0.0.1:1"}, "n", 1).api_url
