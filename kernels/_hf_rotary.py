@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._common import compile_decomposes
+from ._dispatch import compile_decomposes
 from .rotary import apply_rotary
 
 GLOBAL = "apply_rotary_pos_emb"

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import (check_rms_inputs, compile_decomposes, empty_width_norm, first_order_only, needs_grad,
-                      resolve_casting, use_custom_op)
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._norm_common import check_rms_inputs, empty_width_norm, resolve_casting
 
 
 def _width(x: Tensor, n_dims: int) -> int:

@@ -40,7 +40,8 @@ from torch import Tensor, nn
 
 from . import _cross_entropy_triton as K
 from . import _flops
-from ._common import first_order_only, needs_grad, use_custom_op, use_triton
+from ._dispatch import first_order_only, needs_grad, use_custom_op
+from ._launch import use_triton
 
 REDUCTIONS = ("none", "mean", "sum")
 

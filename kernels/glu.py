@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _glu_triton as K
-from ._common import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
 
 _APPROX = {"none": "gelu", "tanh": "gelu_tanh"}
 

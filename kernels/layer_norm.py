@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import compile_decomposes, empty_width_norm, first_order_only, needs_grad, use_custom_op
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._norm_common import empty_width_norm
 
 
 def _numel(x: Tensor, n_dims: int) -> int:

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from . import _cross_entropy_triton as K
 from . import _flops
-from ._common import first_order_only, needs_grad, use_custom_op
+from ._dispatch import first_order_only, needs_grad, use_custom_op
 from .cross_entropy import check_options, reduce_rows
 
 #: Elements of logits per chunk: rows per chunk = the largest power of two with rows x V <= this, but at least

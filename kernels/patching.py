@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from . import _hf_rotary
-from ._common import INTERPRET
+from ._env import INTERPRET
 from .glu import GeGLUMLP, SwiGLUMLP
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm

@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import (check_rms_inputs, compile_decomposes, empty_width_norm, first_order_only, needs_grad,
-                      resolve_casting, use_custom_op)
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._norm_common import check_rms_inputs, empty_width_norm, resolve_casting
 from .add_rms_norm import add_rms_norm_trailing
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)

@@ -13,7 +13,7 @@ with ``interleaved=True`` the pairs are ``(x[2j], x[2j+1])`` (GPT-J, GLM):
 Dispatch: eager calls run :class:`RotaryFunction`; a ``TorchDispatchMode`` (``FlopCounterMode``)
 or a tensor subclass takes the custom op (FLOPs counted, :data:`FLOPS_PER_ELEMENT`); under
 ``torch.compile`` the op is written out in PyTorch ops (:func:`._rotary_triton.reference`), which
-Inductor fuses with its neighbours (see :func:`._common.compile_decomposes`).
+Inductor fuses with its neighbours (see :func:`._dispatch.compile_decomposes`).
 """
 
 from typing import Tuple
@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import _flops
 from . import _rotary_triton as K
-from ._common import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
 
 #: FLOPs per rotated element (one of the ``R`` dims of one head of q or k), forward and backward alike:
 #: ``x1 c1 - x2 s1`` is two multiplies and one subtract per output element (the copied dims cost none).

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import mfuwatch.kernels as mk
-from mfuwatch.kernels import _common, _flops
+from mfuwatch.kernels import _dispatch, _flops
 from tests.helpers.kernel_checks import DEVICE
 
 # Import the ops before any FlopCounterMode is built: the mode copies the formula registry
@@ -51,7 +51,7 @@ def test_fullgraph_compile_matches_eager(backend, gen):
 
 
 def test_compiled_graph_holds_the_custom_ops_when_decomposition_is_off(gen, monkeypatch):
-    monkeypatch.setattr(_common, "COMPILE_DECOMPOSE", False)  # MFUWATCH_KERNELS_COMPILE_DECOMPOSE=0
+    monkeypatch.setattr(_dispatch, "COMPILE_DECOMPOSE", False)  # MFUWATCH_KERNELS_COMPILE_DECOMPOSE=0
     seen = []
 
     def backend(gm, example_inputs):

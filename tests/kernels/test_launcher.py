@@ -1,4 +1,4 @@
-"""``_common.Launcher``: which calls go through Triton's JIT and which reuse the compiled kernel.
+"""``_launch.Launcher``: which calls go through Triton's JIT and which reuse the compiled kernel.
 
 The direct path only runs on a GPU (the interpreter has no compiled kernels), so these tests hand
 the launcher a stand-in for a ``@triton.jit`` function and for the CUDA stream getters, and check
@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from mfuwatch.kernels import _common
-from mfuwatch.kernels._common import Launcher, _direct_args
+from mfuwatch.kernels import _env, _launch
+from mfuwatch.kernels._launch import Launcher, _direct_args
 
 
 class FakeCompiled:
@@ -42,7 +42,7 @@ class FakeJit:
 @pytest.fixture
 def fast(monkeypatch):
     rt = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    monkeypatch.setattr(_common, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
 
     def make(arg_names):
@@ -181,11 +181,11 @@ def test_constexprs_not_closing_the_signature_always_jit(fast):
 
 
 def test_interpreter_or_switch_off_means_no_direct_path(monkeypatch):
-    if _common.INTERPRET:  # the CI session runs the interpreter: no compiled kernels to call
-        assert _common._triton_runtime_knobs() is None
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    monkeypatch.setattr(_common, "FAST_LAUNCH", False)
-    assert _common._triton_runtime_knobs() is None
+    if _launch.INTERPRET:  # the CI session runs the interpreter: no compiled kernels to call
+        assert _launch._triton_runtime_knobs() is None
+    monkeypatch.setattr(_launch, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    assert _launch._triton_runtime_knobs() is None
 
 
 def test_this_tritons_default_hooks_count_as_unset():
@@ -193,21 +193,21 @@ def test_this_tritons_default_hooks_count_as_unset():
     rt = getattr(getattr(triton, "knobs", None), "runtime", None)
     if rt is None:
         pytest.skip("this Triton has no knobs")
-    assert not _common._hook_set(rt.launch_enter_hook) and not _common._hook_set(rt.launch_exit_hook)
+    assert not _launch._hook_set(rt.launch_enter_hook) and not _launch._hook_set(rt.launch_exit_hook)
 
 
 @pytest.mark.parametrize("raw,expected", [(" 0 ", False), ("OFF", False), ("no", False), ("1", True),
                                           (" Yes", True), ("", True)])
 def test_env_flags_accept_the_documented_values(monkeypatch, raw, expected):
     monkeypatch.setenv("MFUWATCH_TEST_FLAG", raw)
-    assert _common.env_flag("MFUWATCH_TEST_FLAG", True) is expected
+    assert _env.env_flag("MFUWATCH_TEST_FLAG", True) is expected
 
 
 def test_env_flag_with_an_unknown_value_warns_and_keeps_the_default(monkeypatch):
     monkeypatch.setenv("MFUWATCH_TEST_FLAG", "disable")
     with pytest.warns(UserWarning, match=r"MFUWATCH_TEST_FLAG='disable' is not one of 1/true/on/yes or "
                                          r"0/false/off/no; using the default \(on\)"):
-        assert _common.env_flag("MFUWATCH_TEST_FLAG", True) is True
+        assert _env.env_flag("MFUWATCH_TEST_FLAG", True) is True
 
 
 def test_interpreter_index_fix_backports_the_squeeze_only_where_needed(monkeypatch):
@@ -219,7 +219,7 @@ def test_interpreter_index_fix_backports_the_squeeze_only_where_needed(monkeypat
     np = pytest.importorskip("numpy")
     triton = pytest.importorskip("triton")
     ti = pytest.importorskip("triton.runtime.interpreter")
-    monkeypatch.setattr(_common, "INTERPRET", True)
+    monkeypatch.setattr(_env, "INTERPRET", True)
     monkeypatch.setattr(ti, "_mfuwatch_index_fix", False, raising=False)
     calls = []
 
@@ -240,20 +240,20 @@ def test_interpreter_index_fix_backports_the_squeeze_only_where_needed(monkeypat
     scalar.handle = types.SimpleNamespace(data=np.array([7], dtype=np.int32))
 
     monkeypatch.setattr(triton, "__version__", "3.7.0")
-    assert _common.interpreter_index_fix() is False and ti._patch_lang_tensor is original
+    assert _env.interpreter_index_fix() is False and ti._patch_lang_tensor is original
 
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(np, "__version__", "2.3.5")
-    assert _common.interpreter_index_fix() is False and ti._patch_lang_tensor is original
+    assert _env.interpreter_index_fix() is False and ti._patch_lang_tensor is original
 
     monkeypatch.setattr(np, "__version__", "2.4.0")
-    assert _common.interpreter_index_fix() is True
+    assert _env.interpreter_index_fix() is True
     ti._patch_lang_tensor(T, Scope())
     assert calls == [T]  # the original still runs: everything else it patches is kept
     assert range(scalar)[-1] == 6  # range() calls __index__: 7 from the (1,)-shaped array
-    assert _common.interpreter_index_fix() is False  # applied once
+    assert _env.interpreter_index_fix() is False  # applied once
 
 
 def test_interpreter_index_fix_is_off_without_the_interpreter(monkeypatch):
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    assert _common.interpreter_index_fix() is False
+    monkeypatch.setattr(_env, "INTERPRET", False)
+    assert _env.interpreter_index_fix() is False
