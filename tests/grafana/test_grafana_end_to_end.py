@@ -39,8 +39,8 @@ from mfuwatch.alerts.fleet_rules import render_fleet
 from tests.helpers.debian_tools import ensure_binary
 from tests.helpers.fake_nvml import FakeNvml, make_gpus
 from tests.helpers.grafana_dashboards import (REPO, Query, legend_labels, load_dashboards, parse_label_values,
-from tests.helpers.net import free_port
                                               queries, substitute)
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.slow
 
