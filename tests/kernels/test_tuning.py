@@ -1,4 +1,4 @@
-"""Launch plumbing: row views (copy only when needed) and the launch-setting tuner's choices."""
+"""``_tuning``: the launch-setting tuner's choices, its shape classes, and ``gpu_ms``."""
 
 import types
 
@@ -6,33 +6,11 @@ import pytest
 import torch
 
 from mfuwatch.kernels import _tuning
-from mfuwatch.kernels._launch import as_rows, pow2_at_least
 from mfuwatch.kernels._tuning import row_bucket, tuned
 from tests.helpers.kernel_checks import DEVICE
 
 
-def test_as_rows_views_without_copy_when_strides_allow():
-    x = torch.randn(2, 3, 8)
-    v, s = as_rows(x, 8)
-    assert v.shape == (6, 8) and s == 8 and v.data_ptr() == x.data_ptr()
-    wide = torch.randn(5, 12)
-    v, s = as_rows(wide[:, 2:10], 8)  # a slice of wider rows: read in place with row stride 12
-    assert s == 12 and v.data_ptr() == wide[:, 2:].data_ptr()
-    b = torch.randn(1, 8).expand(4, 8)  # broadcast rows: row stride 0
-    v, s = as_rows(b, 8)
-    assert s == 0 and v.data_ptr() == b.data_ptr()
-
-
-def test_as_rows_copies_a_strided_last_dimension():
-    t = torch.randn(8, 3).t()  # (3, 8), last-dim stride 3
-    v, s = as_rows(t, 8)
-    assert v.is_contiguous() and s == 8 and torch.equal(v, t)
-    with pytest.raises(ValueError, match=r"shape \(3, 8\) as rows of 5"):
-        as_rows(t, 5)
-
-
-def test_small_helpers():
-    assert [pow2_at_least(n) for n in (0, 1, 2, 17, 64, 5120)] == [1, 1, 2, 32, 64, 8192]
+def test_row_buckets():
     assert [row_bucket(r) for r in (0, 1, 3, 4096, 4097, 10**9)] == [1, 1, 4, 4096, 8192, 1 << 17]
 
 
