@@ -67,7 +67,6 @@ def _lazy() -> dict:
 _RENAMED = {"rmsnorm": ".rms_norm", "layernorm": ".layer_norm", "add_rmsnorm": ".add_rms_norm"}
 
 
-
 def __getattr__(name: str):
     if name == "AVAILABLE_KERNELS":  # derived on each read: the kernel list is the one place
         return tuple(_KERNELS)

@@ -230,8 +230,8 @@ def _rules() -> Tuple[list, list]:
 
 
 def _ours(m: nn.Module) -> bool:
-    """Whether ``m`` is one of this package's modules (a drop-in: nothing to swap)."""
-    return type(m).__module__.startswith(__package__ + ".")
+    """Whether ``m`` is one of this package's modules or a subclass of one (a drop-in: nothing to swap)."""
+    return any(c.__module__.startswith(__package__ + ".") for c in type(m).__mro__)
 
 
 def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
