@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from helpers.receiver import free_port
+from helpers.net import free_port
 
 
 def post_alerts(base: str, alerts: list) -> None:

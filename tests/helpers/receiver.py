@@ -10,7 +10,7 @@ failing and then recovers::
         assert rx.wait_for_delivered(1, timeout=10)
         body = rx.delivered[0].json
 
-"Down" is a port nobody listens on: ``port = free_port()`` and start an
+"Down" is a port nobody listens on: ``port = free_port()`` (:mod:`tests.helpers.net`) and start an
 ``AlertReceiver(port=port)`` later to recover.
 
 A vendor stand-in (``tests/helpers/vendor_receivers.py``) passes ``check``: a function
@@ -22,19 +22,11 @@ request with any is answered 400 (as the vendor would) and its problems are kept
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, Optional
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (nothing listens on it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
