@@ -21,7 +21,7 @@ import pytest
 from aiosmtpd.controller import Controller
 from aiosmtpd.smtp import AuthResult
 from helpers.debian_tools import ensure_binary
-from helpers.receiver import free_port
+from helpers.net import free_port
 from test_alert_secrets import TOKEN, assert_clean
 from test_alert_slack import APPLY, mb_alert
 from test_alert_vendors import group, resolved, stall_alert

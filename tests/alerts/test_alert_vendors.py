@@ -13,7 +13,8 @@ import time
 
 import pytest
 from helpers.alertmanager_proc import alertmanager, post_alerts
-from helpers.receiver import Reply, free_port
+from helpers.net import free_port
+from helpers.receiver import Reply
 from helpers.vendor_receivers import DiscordReceiver, OpsgenieReceiver, PagerDutyReceiver, TeamsReceiver
 from prometheus_client import generate_latest
 from test_alert_secrets import PATH_SECRET, TOKEN, assert_clean
