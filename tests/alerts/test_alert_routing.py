@@ -9,6 +9,7 @@ routing every built-in alert to the same receivers — Alertmanager's answer tak
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -231,3 +232,82 @@ def test_parse_routes_without_notifiers_configured_says_so():
     with pytest.raises(AlertConfigError, match="configured: none"):
         parse_routes([{"notifiers": ["slack"]}], [])
     assert parse_notifier({"type": "discord", "url_env": "X", "api_url": "http://127.0.0.1:1"}, "n", 1).api_url
+
+
+def test_receivers_yml_names_every_alert_of_a_group_of_two(alertmanager_bin, tmp_path):
+    """Finding: with `group_by: [run]` two critical alerts of one run are one group; templates built on
+    .CommonLabels/.CommonAnnotations lost both names. A real Alertmanager renders receivers.yml (with the
+    0.25 edits its header describes) and every vendor stand-in must see both alert names, and no empty
+    code span for the alert without a fix."""
+    from helpers.alertmanager_proc import alertmanager, post_alerts
+    from helpers.receiver import AlertReceiver
+    from helpers.vendor_receivers import OpsgenieReceiver
+
+    from mfuwatch.alerts.model import rfc3339
+
+    doc = yaml.safe_load(AM_RECEIVERS.read_text())
+    doc["route"].update(group_wait="1s", group_interval="1s")
+    with PagerDutyReceiver(PD_KEY) as pd, OpsgenieReceiver("og-key-42") as og, DiscordReceiver() as dc, \
+            AlertReceiver() as slack:
+        (tmp_path / "pd").write_text(PD_KEY)
+        (tmp_path / "og").write_text("og-key-42")
+        (tmp_path / "slack").write_text(slack.url)
+        for r in doc["receivers"]:
+            r.pop("msteamsv2_configs", None)  # 0.28; Debian's 0.25 cannot post to Teams Workflows
+            r.pop("email_configs", None)
+            for c in r.get("pagerduty_configs", []):
+                c.update(routing_key_file=str(tmp_path / "pd"), url=pd.url)
+            for c in r.get("opsgenie_configs", []):
+                c.update(api_key_file=str(tmp_path / "og"), api_url=og.base + "/")
+            for c in r.get("slack_configs", []):
+                c["api_url_file"] = str(tmp_path / "slack")
+            for c in r.get("discord_configs", []):
+                del c["webhook_url_file"]  # 0.26
+                c["webhook_url"] = dc.url
+        stall = stall_alert()
+        xid = {"labels": {"alertname": "GpuXidErrors", "severity": "critical", "run": "amrun", "rank": "0"},
+               "annotations": {"summary": "Xid 79 on GPU 0", "runbook_url": "https://r/x"},
+               "startsAt": rfc3339(stall.starts_at)}
+        alerts = [{"labels": {**dict(stall.labels), "run": "amrun"}, "annotations": dict(stall.annotations),
+                   "startsAt": rfc3339(stall.starts_at)}, xid]  # neither has a fix (suggested_apply)
+        with alertmanager(alertmanager_bin, yaml.safe_dump(doc, sort_keys=False), tmp_path) as base:
+            post_alerts(base, alerts)
+            assert pd.wait_for(1, 30) and og.wait_for(1, 30) and dc.wait_for(1, 30) and \
+                slack.wait_for_delivered(1, timeout=30), "Alertmanager sent nothing"
+        assert pd.violations == [] and og.violations == [] and dc.violations == []
+    names = ("TrainingStalled", "GpuXidErrors")
+    (trigger,) = [e for e in pd.events() if e["event_action"] == "trigger"]
+    assert all(n in trigger["payload"]["summary"] for n in names), trigger["payload"]["summary"]
+    assert "Xid 79 on GPU 0" in trigger["payload"]["summary"]
+    (create,) = list(og.open.values())
+    assert all(n in create["message"] for n in names) and all(n in create["tags"] for n in names), create
+    assert "run:amrun" in create["tags"]
+    title = slack.delivered[0].json["attachments"][0]["title"]
+    assert title == "[FIRING] TrainingStalled, GpuXidErrors · run amrun" or \
+        title == "[FIRING] GpuXidErrors, TrainingStalled · run amrun", title
+    discord = dc.received[0].json
+    text = json.dumps(discord)
+    assert all(n in text for n in names) and "``" not in text, discord
+
+
+def test_alertmanager_yml_slack_title_names_every_alert_of_a_group(alertmanager_bin, tmp_path):
+    """The shipped grafana/alertmanager/alertmanager.yml, run by a real Alertmanager: a run with two alerts
+    gets one Slack message whose title names both (it was `[FIRING:2]  · run amrun`)."""
+    from helpers.alertmanager_proc import alertmanager, post_alerts
+    from helpers.receiver import AlertReceiver
+
+    doc = yaml.safe_load((REPO / "grafana" / "alertmanager" / "alertmanager.yml").read_text())
+    doc["route"].update(group_wait="1s", group_interval="1s")
+    doc["route"]["routes"] = [r for r in doc["route"]["routes"] if r["receiver"] == "slack"]
+    doc["receivers"] = [r for r in doc["receivers"] if r["name"] == "slack"]
+    with AlertReceiver() as slack:
+        (tmp_path / "slack").write_text(slack.url)
+        doc["receivers"][0]["slack_configs"][0]["api_url_file"] = str(tmp_path / "slack")
+        alerts = [{"labels": {"alertname": n, "severity": "warning", "run": "amrun", "rank": "0"},
+                   "annotations": {"summary": f"{n} summary", "runbook_url": "https://r/" + n}}
+                  for n in ("MfuLow", "InputStall")]
+        with alertmanager(alertmanager_bin, yaml.safe_dump(doc, sort_keys=False), tmp_path) as base:
+            post_alerts(base, alerts)
+            assert slack.wait_for_delivered(1, timeout=30), "Alertmanager sent nothing"
+    title = slack.delivered[0].json["attachments"][0]["title"]
+    assert title in ("[FIRING:2] MfuLow, InputStall · run amrun", "[FIRING:2] InputStall, MfuLow · run amrun"), title
