@@ -25,7 +25,14 @@ retried until delivered or replaced by a newer state of the same group):
   (groups are bounded by the rules and ``group_by``).
 * ``close(deadline)`` keeps delivering (and retrying) until the deadline, then
   stops; what it could not deliver is counted ``dropped``, logged once as
-  "dropped at close" and listed in :attr:`NotifierWorker.undelivered`.
+  "dropped at close" and listed in :attr:`NotifierWorker.undelivered`. While
+  closing, a wait the server asked for (HTTP 429/503 ``Retry-After``, Discord's
+  ``retry_after``) is honoured in full, or, when it would end past the deadline,
+  the notification is given up at once (``dropped``) instead of being re-sent
+  early; a backoff wait is shortened to a quarter of the time left (at least
+  :data:`CLOSING_MIN_WAIT`), and at most :data:`CLOSING_MAX_RETRIES` retries of
+  one notification start after closing began, so a failing receiver gets a
+  bounded number of requests.
 
 Outcomes, counted in ``mfuwatch_notifications_total{sink,outcome}``:
 
@@ -53,8 +60,12 @@ log = logging.getLogger("mfuwatch.alerts")
 
 OUTCOMES = ("sent", "failed", "superseded", "dropped", "retry")
 Counter = Callable[[str, str], None]  # (sink, outcome) -> None
-#: While closing, no retry waits longer than this (seconds), so the deadline is spent retrying.
-CLOSING_MAX_WAIT = 0.25
+#: While closing, a backoff wait (not one the server asked for) is cut to this share of the time left ...
+CLOSING_SHARE = 0.25
+#: ... but never below this many seconds (or the configured backoff, if shorter), so closing never hammers.
+CLOSING_MIN_WAIT = 1.0
+#: While closing, at most this many retries of one notification; then it is given up (``dropped``).
+CLOSING_MAX_RETRIES = 5
 
 
 class Notifier(ABC):
@@ -82,10 +93,14 @@ class Notifier(ABC):
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
         """Deliver one notification; return ``"sent"``, ``"failed"`` or ``"dropped"``. Must not raise.
 
-        ``wait(seconds)`` sleeps before a retry and returns ``False`` when the
-        notification should be given up (the worker is closing and its deadline
-        passed, or a newer state of the group superseded it): return ``"dropped"``
-        then. ``on_retry()`` counts one retry.
+        ``wait(seconds, server_asked=False)`` sleeps before a retry and returns
+        ``False`` when the notification should be given up (the worker is closing
+        and the wait does not fit before its deadline, or a newer state of the group
+        superseded it): return ``"dropped"`` then. ``server_asked`` says the server
+        set the wait (Retry-After), so closing must not shorten it. The worker's
+        ``wait`` also has ``plan(seconds, server_asked=False)``: the wait it will
+        really do (``None``: it will give up), for the log line. ``on_retry()``
+        counts one retry.
         """
 
     def rendered(self, render: Callable[[Notification], object], notification: Notification) -> Optional[object]:
@@ -273,14 +288,26 @@ class NotifierWorker:
             retries[0] += 1
             self._safe_count("retry")
 
-        def wait(seconds: float) -> bool:
-            ok = self._wait(seconds, item)
-            if not ok and self._newer_in_queue(item):
-                superseded[0] = True
-            return ok
+        worker = self
+
+        class Wait:
+            """The ``wait`` handed to :meth:`Notifier.deliver` (see there)."""
+
+            closing_retries = 0  # retries of this notification that started after close began
+
+            def plan(self, seconds: float, server_asked: bool = False) -> Optional[float]:
+                return worker._plan(seconds, server_asked, self.closing_retries)
+
+            def __call__(self, seconds: float, server_asked: bool = False) -> bool:
+                ok = worker._wait(seconds, item, server_asked, self)
+                if not ok and worker._newer_in_queue(item):
+                    superseded[0] = True
+                if ok and worker._deadline is not None:
+                    self.closing_retries += 1
+                return ok
 
         try:
-            outcome = self.notifier.deliver(item, wait, on_retry)
+            outcome = self.notifier.deliver(item, Wait(), on_retry)
         except Exception as exc:  # noqa: BLE001 - a notifier bug must not kill the thread
             self.notifier.warn_once("deliver-bug", "mfuwatch alerts: %s failed to deliver (%s)", self.name,
                                     type(exc).__name__)
@@ -294,15 +321,42 @@ class NotifierWorker:
             log.info("mfuwatch alerts: %s delivered %s after %d retries", self.name, describe(item), retries[0])
         self._safe_count(outcome if outcome in OUTCOMES else "failed")
 
-    def _wait(self, seconds: float, item: Notification) -> bool:
-        """Sleep ``seconds`` before a retry; ``False`` if past the close deadline or superseded meanwhile."""
+    def _plan(self, seconds: float, server_asked: bool, closing_retries: int) -> Optional[float]:
+        """The wait before the next try as the worker will do it, or ``None`` to give the notification up.
+
+        Not closing: ``seconds``. Closing: a server-asked wait in full if it ends before the deadline;
+        a backoff wait cut to ``max(CLOSING_MIN_WAIT, CLOSING_SHARE * time left)`` (never longer than asked);
+        ``None`` when the wait would end past the deadline or :data:`CLOSING_MAX_RETRIES` retries are spent.
+        """
+        seconds = max(0.0, seconds)
+        if self._deadline is None:
+            return seconds
+        left = self._deadline - self._now()
+        if closing_retries >= CLOSING_MAX_RETRIES:
+            return None
+        if not server_asked:
+            seconds = min(seconds, max(CLOSING_MIN_WAIT, CLOSING_SHARE * left))
+        return seconds if seconds < left else None
+
+    def _wait(self, seconds: float, item: Notification, server_asked: bool = False, waiter=None) -> bool:
+        """Sleep ``seconds`` before a retry; ``False`` if superseded meanwhile or, closing, if the wait does
+        not fit before the deadline (see :meth:`_plan`; a wait begun before close is re-planned then)."""
         end = self._now() + max(0.0, seconds)
+        replanned = self._deadline is not None
         while True:
             if self._newer_in_queue(item):
                 return False
             now = self._now()
             if self._deadline is not None:
-                end = min(end, now + CLOSING_MAX_WAIT)  # closing: spend what is left retrying, not sleeping
+                if not replanned:  # close began during this wait: re-plan what is left of it
+                    replanned = True
+                    planned = self._plan(end - now, server_asked, waiter.closing_retries if waiter else 0)
+                    if planned is None:
+                        return False
+                    if now + planned < end:
+                        log.debug("mfuwatch alerts: %s closing: next try of %s in %.2fs", self.name,
+                                  describe(item), planned)
+                    end = min(end, now + planned)
                 if now >= self._deadline or end > self._deadline:
                     return False
             left = end - now

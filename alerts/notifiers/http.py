@@ -13,7 +13,8 @@ what a later attempt can fix:
   or jobs failing together do not retry in lockstep.
 
 Retries go on until the worker gives up the notification (a newer state of its
-group superseded it, or close()'s deadline passed: ``wait`` returns False) or,
+group superseded it, or, closing, the next wait does not fit before close()'s deadline:
+``wait.plan`` returns None or ``wait`` returns False; see :mod:`.base`) or,
 when the notifier sets ``max_retries``, after that many. Other 4xx answers are final (``failed``): the request itself is wrong. Log lines
 and errors name the sink and the exception *type* or status code only; the URL
 (the secret) never leaves :class:`~mfuwatch.alerts.secrets.Secret`.
@@ -85,17 +86,28 @@ def retry_loop(notifier: Notifier, attempt: Callable[[], Attempt], wait: Callabl
             notifier.warn_once("gave-up", "mfuwatch alerts: %s still failing after %d retries (%s); notification "
                                "counted as failed", notifier.name, cfg.max_retries, reason)
             return "failed"
-        if retry_after is not None:
+        server_asked = retry_after is not None
+        if server_asked:
             delay = min(retry_after, cfg.max_backoff_seconds)
         else:
             delay = backoff_delay(tries, cfg.backoff_seconds, cfg.max_backoff_seconds, rng)
-        delays.append(delay)
+        plan = getattr(wait, "plan", None)
+        planned = plan(delay, server_asked) if plan is not None else delay
+        if planned is None:  # closing: the wait does not fit before the deadline, or the closing retries are spent
+            notifier.warn_once(f"closing-{reason}", "mfuwatch alerts: %s delivery failed (%s) while closing; "
+                               "the next try (%s %.2fs) would not fit in the close timeout; given up (counted "
+                               "dropped)", notifier.name, reason,
+                               "the server asked to wait" if server_asked else "after", delay)
+            return "dropped"
+        delays.append(planned)
         tries += 1
         on_retry()
         notifier.warn_once(f"retry-{reason}", "mfuwatch alerts: %s delivery failed (%s); retry %d (of %s) in "
-                           "%.2fs; retried until delivered, superseded or closed", notifier.name, reason, tries,
-                           "unlimited" if cfg.max_retries is None else cfg.max_retries, delay)
-        if not wait(delay):
+                           "%.2fs%s", notifier.name, reason, tries,
+                           "unlimited" if cfg.max_retries is None else cfg.max_retries, planned,
+                           "; retried until delivered, superseded or closed" if cfg.max_retries is None
+                           else f"; counted failed after {cfg.max_retries} retries")
+        if not (wait(planned, server_asked) if plan is not None else wait(planned)):
             return "dropped"
 
 
