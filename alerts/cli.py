@@ -180,6 +180,10 @@ def _check(cfg) -> int:
             print(f"route[{i}] {when} -> {', '.join(r.notifiers)}{' (continue)' if r.continue_ else ''}")
         for w in route_warnings(cfg.routes, [n.name for n in cfg.notifiers]):
             print(f"warning: {w}", file=sys.stderr)
+    from .routing import severity_warnings
+
+    for w in severity_warnings(cfg.routes, cfg.notifiers):
+        print(f"warning: {w}", file=sys.stderr)
     print(f"silences: {len(cfg.silences)}, inhibit rules: {len(cfg.inhibit_rules)}, routes: {len(cfg.routes)}; "
           "config OK")
     return 0
@@ -199,7 +203,8 @@ def _secret_sources(n) -> str:
 
 def _test_cases(cfg, run: str, host: str):
     """``(what, labels)`` of the synthetic test alerts: one per route, labelled so that it matches the route and
-    reaches it past the routes before it (a severity that no earlier route without ``continue`` takes), or
+    reaches it past the routes before it (a severity, else an alert name, that no earlier route without
+    ``continue`` takes; label values chosen by :func:`~.routing.sample_labels`), or
     one ``info`` alert when there are no routes. ``labels`` is ``None`` for a route no test alert can reach."""
     from .routing import route, sample_labels
     from .rules import SEVERITIES
@@ -209,12 +214,17 @@ def _test_cases(cfg, run: str, host: str):
         return [("every notifier", base)]
     values = {"severity": SEVERITIES, "alertname": [r.name for r in cfg.rules]}
     out = []
+    names = [base["alertname"]] + list(values["alertname"])  # another name when an earlier route takes the test one
     for i, r in enumerate(cfg.routes):
         found = None
-        for severity in SEVERITIES[::-1]:
-            labels = sample_labels(r, {**base, "severity": severity, "test_route": str(i)}, values)
-            if labels is not None and i in route(cfg.routes, labels)[1]:
-                found = labels
+        for name in names:
+            for severity in SEVERITIES[::-1]:
+                labels = sample_labels(r, {**base, "alertname": name, "severity": severity, "test_route": str(i)},
+                                       values)
+                if labels is not None and i in route(cfg.routes, labels)[1]:
+                    found = labels
+                    break
+            if found is not None:
                 break
         out.append((f"route[{i}] {', '.join(str(m) for m in r.matchers) or '(catch-all)'}", found))
     return out

@@ -166,6 +166,82 @@ def test_test_notify_exercises_every_route(tmp_path, monkeypatch, capsys):
     assert re.search(r"route\[1\] severity=~\"info\|warning\": test alert .*severity=info.* -> discord", out), out
 
 
+def test_test_notify_labels_satisfy_every_matcher_with_realistic_values(tmp_path, monkeypatch, capsys):
+    """Finding: test-notify copied matcher text into labels (alertname=Gpu.*, severity=warning|info, so
+    PagerDuty got severity info for a route meant for criticals). Each test alert must satisfy every matcher
+    of its route, each label a configured value where one fits (else one built from the regex)."""
+    from mfuwatch.alerts.cli import _test_cases
+    from mfuwatch.alerts.matchers import all_match
+
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    monkeypatch.setenv("MFUWATCH_TEST_PD_KEY", PD_KEY)
+    with PagerDutyReceiver(PD_KEY) as pd:
+        cfg_path = tmp_path / "neg.yaml"
+        cfg_path.write_text(yaml.safe_dump({
+            "notifiers": [{"type": "pagerduty", "routing_key_env": "MFUWATCH_TEST_PD_KEY", "api_url": pd.url,
+                           "backoff": "10ms", "max_backoff": "100ms"}, {"type": "console", "stream": "stdout"}],
+            "routes": [{"matchers": ['severity!~"warning|info"', 'alertname=~"Gpu.*"'], "notifiers": ["pagerduty"]},
+                       {"matchers": ['run=~"prod-.*"', 'severity=~"critical|warning"'], "notifiers": ["console"]},
+                       {"matchers": ['alertname!="MfuLow"', 'alertname=~"Mfu.*"'], "notifiers": ["console"]},
+                       {"notifiers": ["console"]}]}))
+        cfg = load_config(cfg_path)
+        cases = _test_cases(cfg, "mfuwatch-test", "h")
+        assert all(labels is not None for _, labels in cases)
+        for i, (r, (_, labels)) in enumerate(zip(cfg.routes, cases)):
+            assert all_match(r.matchers, labels) and i in route(cfg.routes, labels)[1], (i, labels)
+        rule_names = {r.name for r in cfg.rules}
+        assert cases[0][1]["severity"] == "critical" and cases[0][1]["alertname"] in rule_names
+        assert cases[0][1]["alertname"].startswith("Gpu")
+        assert re.fullmatch("prod-.*", cases[1][1]["run"]) and cases[1][1]["run"] != "prod-.*"
+        assert cases[2][1]["alertname"] != "MfuLow" and cases[2][1]["alertname"].startswith("Mfu")
+        assert cases[3][1]["alertname"] != "MfuwatchTest"  # route[2] takes that name: the catch-all gets another
+        assert main(["test-notify", "--config", str(cfg_path), "--timeout", "10"]) == 0
+        events = pd.events()
+    triggers = [e for e in events if e["event_action"] == "trigger"]
+    assert len(triggers) == 1 and triggers[0]["payload"]["severity"] == "critical"
+    assert triggers[0]["payload"]["class"] == cases[0][1]["alertname"]
+
+
+def test_test_notify_says_not_tested_for_a_regex_it_cannot_satisfy(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "la.yaml"
+    cfg.write_text(yaml.safe_dump({"notifiers": [{"type": "console", "stream": "stdout"}],
+                                   "routes": [{"matchers": ['run=~"(?!x)y.*"'], "notifiers": ["console"]},
+                                              {"notifiers": ["console"]}]}))
+    assert main(["test-notify", "--config", str(cfg), "--timeout", "5"]) == 1
+    assert "route[0] run=~\"(?!x)y.*\": no test alert reaches it" in capsys.readouterr().out
+
+
+def test_check_warns_when_a_notifiers_own_severities_drop_what_a_route_sends(tmp_path, monkeypatch, capsys):
+    """Finding: routes sent warnings to a pagerduty notifier with `severities: [critical]`, which dropped
+    them silently; its `severity_map: {warning: error}` was dead configuration. check must say both, and
+    what it says must be what delivery does (the notifier really refuses the warning)."""
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    monkeypatch.setenv("MFUWATCH_TEST_PD_KEY", PD_KEY)
+    monkeypatch.setenv("MFUWATCH_TEST_OG_KEY", "og-key-42")
+    spec = {"notifiers": [{"type": "pagerduty", "routing_key_env": "MFUWATCH_TEST_PD_KEY",
+                           "severities": ["critical"], "severity_map": {"warning": "error"}},
+                          {"type": "opsgenie", "api_key_env": "MFUWATCH_TEST_OG_KEY",
+                           "severity_map": {"warning": "P2", "info": "P5"}},
+                          {"type": "console"}],
+            "routes": [{"matchers": ['severity=~"critical|warning"'], "notifiers": ["pagerduty", "opsgenie"]},
+                       {"notifiers": ["console"]}]}
+    cfg_path = tmp_path / "mix.yaml"
+    cfg_path.write_text(yaml.safe_dump(spec))
+    assert main(["check", "--config", str(cfg_path)]) == 0
+    err = capsys.readouterr().err
+    assert "route[0] sends warning alerts to pagerduty, whose own `severities: [critical]` drops them" in err
+    assert "notifier pagerduty: severity_map warning: error never applies" in err
+    assert "notifier opsgenie: severity_map info: P5 never applies: no route sends it info alerts" in err
+    assert "opsgenie: severity_map warning" not in err and "route[0] sends critical" not in err
+    cfg = load_config(cfg_path)  # the warning describes delivery: the notifier does refuse the warning
+    pd = build_notifier(cfg.notifiers[0])
+    labels = {"alertname": "MfuLow", "severity": "warning", "run": "r", "rank": "0"}
+    assert "pagerduty" in route(cfg.routes, labels)[0]
+    assert pd.accepts(group(mb_alert(name="MfuLow", severity="warning", labels=labels))) is None
+    pd.close()
+
+
 # -- the Alertmanager example receivers --------------------------------------------------------------------------
 
 def amtool_version(amtool):
