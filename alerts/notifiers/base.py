@@ -12,7 +12,11 @@ retried until delivered or replaced by a newer state of the same group):
 * Notifications are delivered first in, first out. A failed attempt that a later
   attempt can fix (connection error, timeout, 408, 429, 5xx) is retried with
   capped exponential backoff for as long as it takes, unless the notifier sets
-  ``max_retries``.
+  ``max_retries``. While a state waits for its retry and a state of *another*
+  group is queued, the waiting state is *parked* at the back of the queue until
+  its retry time (keeping its retry count), so one failing group never holds the
+  other groups' notifications back; order across groups may then change, order
+  within a group never does.
 * While a notification waits for its next retry, a newer notification of the
   same group (same ``group_key``) *supersedes* it: the old one is abandoned and
   the newest state of the group is delivered instead. Alerts that were resolved
@@ -50,7 +54,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ..config import NotifierConfig
 from ..model import Notification
@@ -153,6 +157,9 @@ class NotifierWorker:
         self._items: Deque[Notification] = collections.deque()
         self._cv = threading.Condition()
         self._current: Optional[Notification] = None
+        #: id(state) -> (state, not before (clock), retries so far, closing retries so far): states parked at
+        #: the back of the queue while they wait for a retry, so other groups are not held behind them.
+        self._parked: Dict[int, Tuple[Notification, float, int, int]] = {}
         self._closing = threading.Event()
         self._deadline: Optional[float] = None  # clock() by which close() wants to be done
         self._now = clock
@@ -271,8 +278,14 @@ class NotifierWorker:
                         self._cv.wait(0.5)
                     if self._past_deadline() or (not self._items and self._closing.is_set()):
                         break
-                    item = self._items.popleft()
-                self._deliver_one(item)
+                    item, parked = self._next_ready()
+                if item is None:  # every queued state is parked until its retry time
+                    self._sleep(0.05)
+                    continue
+                if parked is not None and self._newer_in_queue(item):
+                    self._supersede(item)  # a newer state of its group came while it was parked
+                    continue
+                self._deliver_one(item, parked)
             self._drain_dropped()
         finally:
             try:
@@ -280,8 +293,38 @@ class NotifierWorker:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _deliver_one(self, item: Notification) -> None:
-        retries = [0]
+    def _parked_entry(self, n: Notification) -> Optional[Tuple[Notification, float, int, int]]:
+        entry = self._parked.get(id(n))
+        return entry if entry is not None and entry[0] is n else None
+
+    def _next_ready(self) -> Tuple[Optional[Notification], Optional[Tuple[Notification, float, int, int]]]:
+        """Pop the first queued state that may be tried now (not parked, or parked until a time now past);
+        ``(None, None)`` when every state is parked. Called with ``self._cv`` held."""
+        now = self._now()
+        for i, n in enumerate(self._items):
+            entry = self._parked_entry(n)
+            if entry is None or entry[1] <= now:
+                del self._items[i]
+                self._parked.pop(id(n), None)
+                return n, entry
+        return None, None
+
+    def _other_group_ready(self, item: Notification) -> bool:
+        """Whether a state of another group is queued and may be tried now (then ``item`` parks)."""
+        now = self._now()
+        with self._cv:
+            for n in self._items:
+                if n.group_key != item.group_key:
+                    entry = self._parked_entry(n)
+                    if entry is None or entry[1] <= now:
+                        return True
+        return False
+
+    def _deliver_one(self, item: Notification, parked: Optional[Tuple[Notification, float, int, int]] = None) -> None:
+        """Deliver ``item`` (its retry state carried over when it comes back from being parked). A retry wait
+        with another group's state ready parks ``item`` at the back of the queue until its retry time, so one
+        failing group does not hold back the others (head-of-line blocking across groups)."""
+        retries = [parked[2] if parked else 0]
         superseded = [False]
 
         def on_retry() -> None:
@@ -293,7 +336,9 @@ class NotifierWorker:
         class Wait:
             """The ``wait`` handed to :meth:`Notifier.deliver` (see there)."""
 
-            closing_retries = 0  # retries of this notification that started after close began
+            closing_retries = parked[3] if parked else 0  # retries of this state that started after close began
+            prior_retries = retries[0]  # retries before it was parked (retry_loop counts max_retries from here)
+            deferred: Optional[float] = None  # parked: the clock time of its next try
 
             def plan(self, seconds: float, server_asked: bool = False) -> Optional[float]:
                 return worker._plan(seconds, server_asked, self.closing_retries)
@@ -302,18 +347,29 @@ class NotifierWorker:
                 ok = worker._wait(seconds, item, server_asked, self)
                 if not ok and worker._newer_in_queue(item):
                     superseded[0] = True
-                if ok and worker._deadline is not None:
+                if (ok or self.deferred is not None) and worker._deadline is not None:
                     self.closing_retries += 1
                 return ok
 
+        waiter = Wait()
         try:
-            outcome = self.notifier.deliver(item, Wait(), on_retry)
+            outcome = self.notifier.deliver(item, waiter, on_retry)
         except Exception as exc:  # noqa: BLE001 - a notifier bug must not kill the thread
             self.notifier.warn_once("deliver-bug", "mfuwatch alerts: %s failed to deliver (%s)", self.name,
                                     type(exc).__name__)
             outcome = "failed"
         if superseded[0]:
             self._supersede(item)
+            return
+        if waiter.deferred is not None and outcome == "dropped":
+            with self._cv:
+                newer = any(n.group_key == item.group_key for n in self._items)
+                if not newer:  # park it behind the others until its retry time
+                    self._items.append(item)
+                    self._parked[id(item)] = (item, waiter.deferred, retries[0], waiter.closing_retries)
+                    self._cv.notify_all()
+            if newer:
+                self._supersede(item)
             return
         if outcome == "dropped":
             self._note_undelivered(item)
@@ -346,6 +402,9 @@ class NotifierWorker:
         while True:
             if self._newer_in_queue(item):
                 return False
+            if waiter is not None and self._other_group_ready(item):
+                waiter.deferred = end  # park it: deliver the other groups first (see _deliver_one)
+                return False
             now = self._now()
             if self._deadline is not None:
                 if not replanned:  # close began during this wait: re-plan what is left of it
@@ -370,6 +429,7 @@ class NotifierWorker:
     def _drain_dropped(self) -> None:
         with self._cv:
             items, self._items = list(self._items), collections.deque()
+            self._parked.clear()
         for n in items:
             self._safe_count("dropped")
             self._note_undelivered(n)

@@ -77,7 +77,7 @@ def retry_loop(notifier: Notifier, attempt: Callable[[], Attempt], wait: Callabl
     ``reason`` (a status code or an exception *type*) is the only thing logged: never a URL or a secret.
     """
     cfg = notifier.config
-    tries = 0
+    tries = int(getattr(wait, "prior_retries", 0))  # a state that was parked keeps its count
     while True:
         outcome, reason, retry_after = attempt()
         if outcome is not None:

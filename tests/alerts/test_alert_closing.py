@@ -127,3 +127,40 @@ def test_closing_backoff_is_bounded_and_the_log_says_the_real_wait(monkeypatch, 
     (line,) = [r.getMessage() for r in caplog.records if "retry 1 (of unlimited)" in r.getMessage()]
     said = float(re.search(r"in ([0-9.]+)s", line).group(1))
     assert abs(said - g[0]) < 0.01, (line, g)  # the log names the wait really done
+
+
+def test_a_group_waiting_for_its_retry_does_not_hold_back_other_groups(monkeypatch):
+    """Finding 5: test-notify's route[1] and route[2] states waited 30 s behind a rate-limited route[0] state.
+    Now a state waiting for a retry is parked behind the queue: the others go first, then it is retried
+    after the wait the server asked for."""
+    times: list = []
+    with AlertReceiver() as rx:
+        monkeypatch.setenv("MFUWATCH_TEST_CLOSING_URL", rx.url)
+        cfg = parse_notifier({"type": "slack", "url_env": "MFUWATCH_TEST_CLOSING_URL", "max_backoff": "60s"},
+                             "notifiers[0]", 100)
+        notifier = build_notifier(cfg)
+        clock = FakeClock()
+        rx.script(Reply(429, headers={"Retry-After": "20"}))  # then 200 ok
+        counts = collections.Counter()
+        worker = NotifierWorker(notifier, lambda s, o: counts.update([o]), clock=clock.now, sleep=clock.sleep)
+
+        import requests
+
+        real_post = requests.Session.post
+
+        def timed_post(self, *a, **kw):
+            times.append(clock.now())
+            return real_post(self, *a, **kw)
+
+        monkeypatch.setattr(requests.Session, "post", timed_post)
+        for i in range(3):
+            worker.submit(notification(i, run=f"r{i}"))  # three groups
+        worker.start()
+        worker.begin_close(clock.now() + BUDGET)
+        worker._thread.join(20)
+        assert not worker._thread.is_alive()
+    assert [r.status for r in rx.received] == [429, 200, 200, 200]
+    assert times[1] - times[0] < 1.0 and times[2] - times[0] < 1.0  # r1 and r2 went at once, not after 20 s
+    assert times[3] - times[0] >= 20.0  # r0's retry waited what the server asked
+    assert "run r0" in rx.received[3].body.decode() and "run r1" not in rx.received[3].body.decode()
+    assert counts["sent"] == 3 and counts["dropped"] == 0 and counts["retry"] == 1
