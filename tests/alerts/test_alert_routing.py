@@ -387,3 +387,20 @@ def test_alertmanager_yml_slack_title_names_every_alert_of_a_group(alertmanager_
             assert slack.wait_for_delivered(1, timeout=30), "Alertmanager sent nothing"
     title = slack.delivered[0].json["attachments"][0]["title"]
     assert title in ("[FIRING:2] MfuLow, InputStall · run amrun", "[FIRING:2] InputStall, MfuLow · run amrun"), title
+
+
+def test_docs_name_every_secret_file_the_alertmanager_examples_read():
+    """Finding 6: the README created alertmanager-secrets/ without saying which files go there or that they
+    must have no trailing newline. Every file the two example configs read is named in docs/alerts.md, next
+    to a printf '%s' line that writes it."""
+    docs = (REPO / "docs" / "alerts.md").read_text()
+    section = docs[docs.index("**Secret files for Alertmanager.**"):]
+    section = section[:section.index("Differences between the paths")]
+    for name in ("alertmanager.yml", "receivers.yml"):
+        text = (REPO / "grafana" / "alertmanager" / name).read_text()
+        files = set(re.findall(r"_file: /etc/alertmanager/secrets/(\w+)", text))
+        assert files, name
+        for f in files:
+            assert f"`{f}`" in section, (name, f)
+            assert re.search(r"printf '%s' \"\$\w+\" +> \"\$d/" + f + '"', section), (name, f)
+    assert "Secret files for Alertmanager" in (REPO / "README.md").read_text()
