@@ -404,3 +404,16 @@ def test_docs_name_every_secret_file_the_alertmanager_examples_read():
             assert f"`{f}`" in section, (name, f)
             assert re.search(r"printf '%s' \"\$\w+\" +> \"\$d/" + f + '"', section), (name, f)
     assert "Secret files for Alertmanager" in (REPO / "README.md").read_text()
+
+
+def test_the_opening_table_of_the_alert_docs_names_every_notifier_type():
+    """Finding 16: docs/alerts.md's first table still said Slack, webhook and console only."""
+    from mfuwatch.alerts.config import NOTIFIER_TYPES
+
+    row = next(line for line in (REPO / "docs" / "alerts.md").read_text().splitlines()
+               if line.startswith("| **in-process engine**"))
+    spelled = {"pagerduty": "PagerDuty", "opsgenie": "Opsgenie", "teams": "Teams", "discord": "Discord",
+               "email": "email", "slack": "Slack", "webhook": "webhook", "console": "console"}
+    assert set(spelled) == set(NOTIFIER_TYPES)
+    notifies = row.split("|")[4]
+    assert all(spelled[t] in notifies for t in NOTIFIER_TYPES), notifies
