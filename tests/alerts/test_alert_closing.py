@@ -164,3 +164,40 @@ def test_a_group_waiting_for_its_retry_does_not_hold_back_other_groups(monkeypat
     assert times[3] - times[0] >= 20.0  # r0's retry waited what the server asked
     assert "run r0" in rx.received[3].body.decode() and "run r1" not in rx.received[3].body.decode()
     assert counts["sent"] == 3 and counts["dropped"] == 0 and counts["retry"] == 1
+
+
+def test_failure_logs_say_what_failed_where_and_what_happens_next(monkeypatch, caplog):
+    """Finding 9: every failure read `slack delivery failed (ConnectionError)`; a 401 lost the vendor's
+    message; with max_retries: 2 the line still promised `retried until delivered`."""
+    import time
+
+    from helpers.receiver import free_port
+
+    monkeypatch.setenv("MFUWATCH_TEST_CLOSING_URL", f"http://127.0.0.1:{free_port()}/hook")  # nobody listens
+    monkeypatch.setenv("MFUWATCH_TEST_OG_KEY", "og-key-42")
+    cfg = parse_notifier({"type": "slack", "url_env": "MFUWATCH_TEST_CLOSING_URL", "backoff": "10ms",
+                          "max_backoff": "10ms", "max_retries": 2}, "notifiers[0]", 100)
+    counts = collections.Counter()
+    with caplog.at_level(logging.WARNING, logger="mfuwatch.alerts"):
+        worker = NotifierWorker(build_notifier(cfg), lambda s, o: counts.update([o]))
+        worker.submit(notification(0))
+        worker.start()
+        assert worker.close(time.monotonic() + 10)
+        with AlertReceiver(path="") as og:  # Opsgenie's documented 401 answer
+            og.script(Reply(401, headers={"Content-Type": "application/json"},
+                            body='{"message":"Key format is not valid!","took":0.0,"requestId":"r-1"}'))
+            og_cfg = parse_notifier({"type": "opsgenie", "api_key_env": "MFUWATCH_TEST_OG_KEY",
+                                     "api_url": f"http://localhost:{og.port}"}, "notifiers[1]", 100)
+            w2 = NotifierWorker(build_notifier(og_cfg), lambda s, o: counts.update([o]))
+            w2.submit(notification(1))
+            w2.start()
+            assert w2.close(time.monotonic() + 10)
+            port = og.port
+    lines = [r.getMessage() for r in caplog.records]
+    retry = next(m for m in lines if "slack delivery failed" in m)
+    assert "(ConnectionError: connection refused, to the slack URL)" in retry, retry
+    assert "counted failed after 2 retries" in retry and "until delivered" not in retry
+    rejected = next(m for m in lines if "opsgenie" in m and "HTTP 401" in m)
+    assert f"localhost:{port} answered HTTP 401 (Key format is not valid!); not retried" in rejected, rejected
+    assert counts["failed"] == 2
+    assert "og-key-42" not in caplog.text and "/hook" not in caplog.text
