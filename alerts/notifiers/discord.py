@@ -35,6 +35,7 @@ import requests
 
 from ..model import AlertSnapshot, Notification, rfc3339
 from .http import HttpNotifier
+from .text import description_lines as description_text
 from .text import MAX_URL, cut, facts, fit_lines, fix_line, links, shown_fixes, source, title
 
 MAX_CONTENT = 2000
@@ -66,7 +67,7 @@ def description_lines(a: AlertSnapshot) -> List[str]:
         lines.append(f"**Training thread waits at** `{a.annotations['waiting_at']}`")
     lines += [f"**Fix:** `{fix_line(s)}`" for s in shown_fixes(a)]
     lines += [f"[{label}]({url})" for label, url in links(a)]
-    return lines
+    return lines + description_text(a)  # last: a long description never pushes the fix out
 
 
 def alert_embed(a: AlertSnapshot, budget: int = MAX_EMBED_TOTAL) -> Dict[str, Any]:

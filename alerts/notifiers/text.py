@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from ..model import AlertSnapshot, Notification
 from ..templates import fmt_pct
-from .console import alert_lines, format_number, resolved_lines
+from .console import alert_lines, description_lines, fixes_of, format_number, gain_text, resolved_lines
 
 ELLIPSIS = "…"
 
@@ -74,17 +74,14 @@ def source(a: AlertSnapshot) -> str:
 
 
 def shown_fixes(a: AlertSnapshot) -> List[Mapping[str, Any]]:
-    """The suggestions a message names: the first, and the bundled drop-in when the first is not one."""
-    suggestions = list(a.context.get("suggestions") or [])
-    shown = suggestions[:1]
-    if shown and shown[0].get("kind") != "bundled":
-        shown += [s for s in suggestions[1:] if s.get("kind") == "bundled"][:1]
-    return shown
+    """The suggestions a message names: the first, and the bundled drop-in when the first is not one (else a
+    hand-written ``suggested_apply`` annotation; see :func:`~.console.fixes_of`)."""
+    return fixes_of(a)
 
 
 def fix_line(s: Mapping[str, Any]) -> str:
     """One fix, whole: ``rms_norm: mfuwatch.kernels.patch(...)  (expected gain 12.3% of step time)``."""
-    return f"{s['kernel']}: {s['apply']}  (expected gain {fmt_pct(s['expected_gain'])} of step time)"
+    return f"{s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}"
 
 
 def fix_details(a: AlertSnapshot) -> Dict[str, str]:
@@ -95,7 +92,10 @@ def fix_details(a: AlertSnapshot) -> Dict[str, str]:
         p = "fix" if i == 0 else "bundled_fix"
         out[f"{p}_kernel"] = str(s["kernel"])
         out[f"{p}_apply"] = str(s["apply"])
-        out[f"{p}_expected_gain"] = f"{fmt_pct(s['expected_gain'])} of step time"
+        gain = s.get("expected_gain")
+        if gain is not None:
+            out[f"{p}_expected_gain"] = (f"{fmt_pct(gain)} of step time" if isinstance(gain, (int, float))
+                                         else str(gain))
     return out
 
 
