@@ -128,6 +128,7 @@ def slack_message(notification: Notification) -> Dict[str, Any]:
         head = f"[{status}] {alerts[0].name} · run {run}"
     else:
         head = f"[{status}{':' + str(len(firing)) if firing else ''}] {len(alerts)} alerts · run {run}"
+    head = " ".join(head.split())  # a run name with CR/LF stays one line
     blocks: List[Dict[str, Any]] = [{"type": "header", "text": {"type": "plain_text", "text": cut(head, MAX_HEADER),
                                                                 "emoji": True}}]
     shown = 0

@@ -13,6 +13,7 @@ characters; the JSON encoder escapes the text, so a cut never breaks the JSON.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from typing import Any, Dict, List, Mapping, Sequence
 
 from ..model import AlertSnapshot, Notification
@@ -50,6 +51,15 @@ def fit_lines(lines: Sequence[str], limit: int, more: str = "… {n} more line(s
     return cut(lines[0], limit)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]+")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character (CR, LF, tab, ...) and line separator replaced by one space, for
+    a title, an e-mail header or a ``source``: a run named ``"a\r\nBcc: x"`` stays one harmless line."""
+    return _CONTROL.sub(" ", str(text))
+
+
 def utc(ts: float) -> str:
     """Unix seconds as ``2025-06-01 18:00:00 UTC``."""
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -61,16 +71,16 @@ def title(notification: Notification) -> str:
     run = notification.group_labels.get("run") or (alerts[0].labels.get("run", "") if alerts else "")
     status = notification.status.upper()
     if len(alerts) == 1:
-        return f"[{status}] {alerts[0].name} · run {run}"
+        return one_line(f"[{status}] {alerts[0].name} · run {run}")
     firing = sum(1 for a in alerts if a.status == "firing")
     count = f":{firing}" if firing else ""
-    return f"[{status}{count}] {len(alerts)} alerts · run {run}"
+    return one_line(f"[{status}{count}] {len(alerts)} alerts · run {run}")
 
 
 def source(a: AlertSnapshot) -> str:
     """Where the alert comes from: ``host/run/rank`` (``node7/demo/rank0``)."""
     lab = a.labels
-    return f"{lab.get('host') or 'unknown-host'}/{lab.get('run', '')}/rank{lab.get('rank', '')}"
+    return one_line(f"{lab.get('host') or 'unknown-host'}/{lab.get('run', '')}/rank{lab.get('rank', '')}")
 
 
 def shown_fixes(a: AlertSnapshot) -> List[Mapping[str, Any]]:

@@ -206,3 +206,25 @@ def test_email_config_is_checked():
                          ({"password_env": "P"}, "both a username")):
         with pytest.raises(AlertConfigError, match=message):
             parse_notifier({**base, **bad}, "notifiers[0]", 10)
+
+
+def test_a_run_name_with_cr_lf_is_one_line_in_headers_and_the_mail_is_sent(monkeypatch, cert):
+    """Finding 17: test-notify --run $'evil\\r\\nBcc: attacker@example.org' made every e-mail fail to render
+    (0 of 4 sent); now the headers hold it on one line, no Bcc appears, and the message is delivered."""
+    from mfuwatch.alerts.model import Notification
+
+    evil = "evil\r\nBcc: attacker@example.org\r\nX-Injected: 1"
+    labels = {**stall_alert().labels, "run": evil}
+    ctl, handler = smtp_server(cert)
+    ctl.start()
+    try:
+        w, _, counts = mail_worker(monkeypatch, cert, ctl.port)
+        deliver(w, Notification({"run": evil}, (stall_alert(labels=labels),)))
+    finally:
+        ctl.stop()
+    assert counts["sent"] == 1 and counts["failed"] == 0
+    ((_, rcpt, msg),) = handler.messages
+    assert rcpt == ["oncall@example.org", "ml@example.org"]  # nobody added
+    assert msg["Bcc"] is None and msg["X-Injected"] is None
+    assert msg["Subject"] == "[FIRING] TrainingStalled · run evil Bcc: attacker@example.org X-Injected: 1"
+    assert "\r" not in msg["X-Mfuwatch-Group"] and "\n" not in msg["X-Mfuwatch-Group"]

@@ -59,3 +59,16 @@ def test_pagerduty_summary_does_not_repeat_the_run():
     assert pd_summary(stall_alert()) == "TrainingStalled: No training step for 12m on run run-a rank 0"
     other = mb_alert(annotations={"summary": "memory-bound ops take 61% of GPU time"})
     assert pd_summary(other) == "MemoryBoundDominant on run run-a rank 0: memory-bound ops take 61% of GPU time"
+
+
+def test_a_run_name_with_cr_lf_stays_one_line_in_every_title_and_source():
+    from mfuwatch.alerts.model import Notification
+    from mfuwatch.alerts.notifiers.pagerduty import trigger_event
+
+    evil = "evil\r\nBcc: x@example.org"
+    a = stall_alert(labels={**stall_alert().labels, "run": evil})
+    n = Notification({"run": evil}, (a,))
+    titles = [slack_message(n)["blocks"][0]["text"]["text"], discord_message(n)["content"].splitlines()[0],
+              trigger_event(a, "k" * 32, {})["payload"]["source"]]
+    for t in titles:
+        assert "\r" not in t and "evil Bcc: x@example.org" in t, t
