@@ -156,9 +156,11 @@ def _check(cfg) -> int:
     from .prometheus import rule_expr
     from .secrets import SecretError
 
+    url_warnings = []
     for n in cfg.notifiers:  # read every secret now, as the agent will at start (the value is never printed)
         try:
             notifier = build_notifier(n)
+            url_warnings += getattr(notifier, "url_warnings", list)()  # a Teams/Discord URL without its credential
             notifier.close()
         except (SecretError, ValueError) as exc:
             raise AlertConfigError(str(exc)) from None
@@ -171,22 +173,44 @@ def _check(cfg) -> int:
               f"{format_duration(r.cooldown_seconds):>8}  {path:<10}  {rule_expr(r)}{state}")
     print()
     for n in cfg.notifiers:
-        print(f"notifier {n.name} ({n.type}) {_secret_sources(n)}".rstrip())
+        print(f"notifier {n.name} ({n.type}) {', '.join(x for x in (_endpoint(n), _secret_sources(n)) if x)}"
+              .rstrip())
     if cfg.routes:
         from .routing import route_warnings
 
         for i, r in enumerate(cfg.routes):
-            when = ", ".join(str(m) for m in r.matchers) or "every other alert"
+            when = ", ".join(str(m) for m in r.matchers) or ("every alert" if i == 0 else "every other alert")
             print(f"route[{i}] {when} -> {', '.join(r.notifiers)}{' (continue)' if r.continue_ else ''}")
         for w in route_warnings(cfg.routes, [n.name for n in cfg.notifiers]):
             print(f"warning: {w}", file=sys.stderr)
     from .routing import severity_warnings
 
-    for w in severity_warnings(cfg.routes, cfg.notifiers):
+    for w in severity_warnings(cfg.routes, cfg.notifiers) + url_warnings:
         print(f"warning: {w}", file=sys.stderr)
     print(f"silences: {len(cfg.silences)}, inhibit rules: {len(cfg.inhibit_rules)}, routes: {len(cfg.routes)}; "
           "config OK")
     return 0
+
+
+def _endpoint(n) -> str:
+    """Where a notifier sends, when that is not a secret: ``smtp.example.org:587 starttls to a@x, b@y`` for
+    email, ``api_url https://…`` for an override (PagerDuty, Opsgenie, Teams, Discord), Opsgenie's region."""
+    from .notifiers.mail import DEFAULT_PORTS
+
+    if n.type == "email":
+        return f"{n.smtp_host}:{n.smtp_port or DEFAULT_PORTS[n.tls]} {n.tls} from {n.sender} to {', '.join(n.to)}"
+    out = []
+    if n.type == "opsgenie":
+        out.append(f"region {n.region}")
+    if getattr(n, "api_url", None):
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(n.api_url)
+        host = u.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        shown = urllib.parse.urlunsplit((u.scheme, host + (f":{u.port}" if u.port else ""), u.path, "", ""))
+        out.append(f"api_url {shown}")  # without userinfo or query, which may hold a credential
+    return ", ".join(out)
 
 
 def _secret_sources(n) -> str:

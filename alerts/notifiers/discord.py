@@ -116,6 +116,19 @@ class DiscordNotifier(HttpNotifier):
     def render(self, notification: Notification) -> Dict[str, Any]:
         return discord_message(notification)
 
+    def url_warnings(self) -> List[str]:
+        """``check``'s warning when the webhook URL is not ``…/api/webhooks/<id>/<token>`` (the token is the
+        credential; the URL is never shown): Discord answers such a POST 401 or 404."""
+        import re
+        import urllib.parse
+
+        assert self._url is not None
+        path = urllib.parse.urlsplit(self._url.reveal()).path
+        if not re.search(r"/api(/v\d+)?/webhooks/\d+/[^/]+/?$", path):
+            return [f"notifier {self.name}: the webhook URL from {self._url.source} does not end in "
+                    "/api/webhooks/<id>/<token> (the token is its credential); Discord will answer 401 or 404"]
+        return []
+
     def retry_after(self, resp: requests.Response) -> Optional[float]:
         """A 429's ``retry_after`` (seconds, may be fractional) from the JSON body, else ``Retry-After``."""
         if resp.status_code == 429:

@@ -111,3 +111,15 @@ class TeamsNotifier(HttpNotifier):
 
     def render(self, notification: Notification) -> Dict[str, Any]:
         return teams_message(notification)
+
+    def url_warnings(self) -> List[str]:
+        """``check``'s warning when the Workflows URL lacks its ``sig=`` credential (the URL is never shown):
+        Microsoft answers such a POST 401."""
+        import urllib.parse
+
+        assert self._url is not None
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self._url.reveal()).query)
+        if "sig" not in query:
+            return [f"notifier {self.name}: the Workflows URL from {self._url.source} has no sig= parameter (its "
+                    "credential); Teams will answer 401: copy the whole URL the workflow shows"]
+        return []

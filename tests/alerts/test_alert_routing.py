@@ -121,7 +121,8 @@ def test_the_example_routes_config_checks(monkeypatch, capsys):
     assert main(["check", "--config", str(EXAMPLE)]) == 0
     out = capsys.readouterr().out
     assert "notifier pagerduty (pagerduty) routing key from $MFUWATCH_PAGERDUTY_ROUTING_KEY" in out
-    assert "notifier email (email) username from $MFUWATCH_SMTP_USERNAME, password from $MFUWATCH_SMTP_PASSWORD" in out
+    assert "notifier email (email) smtp.example.org:587 starttls from mfuwatch@example.org to ml-oncall@example.org, " \
+        "username from $MFUWATCH_SMTP_USERNAME, password from $MFUWATCH_SMTP_PASSWORD" in out
     assert PD_KEY not in out
     assert main(["show-config", "--config", str(EXAMPLE)]) == 0
     dump = yaml.safe_load(capsys.readouterr().out)
@@ -417,3 +418,37 @@ def test_the_opening_table_of_the_alert_docs_names_every_notifier_type():
     assert set(spelled) == set(NOTIFIER_TYPES)
     notifies = row.split("|")[4]
     assert all(spelled[t] in notifies for t in NOTIFIER_TYPES), notifies
+
+
+def test_check_shows_where_each_notifier_sends_and_warns_about_urls_without_their_credential(
+        tmp_path, monkeypatch, capsys):
+    """Findings 10 and 11: `notifier email (email)` said nothing of host, TLS or recipients, api_url
+    overrides were not shown, route[0] without matchers read `every other alert`; a Teams URL without
+    sig= or a Discord URL without its token passed check, and the first page got 401/404."""
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    monkeypatch.setenv("MFUWATCH_TEST_PD_KEY", PD_KEY)
+    monkeypatch.setenv("MFUWATCH_TEST_TEAMS_URL", "https://prod.westus.logic.azure.com/workflows/x/triggers/"
+                       "manual/paths/invoke?api-version=1")
+    monkeypatch.setenv("MFUWATCH_TEST_DISCORD_URL", "https://discord.com/api/webhooks/123")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"notifiers": [
+        {"type": "email", "smtp_host": "smtp.example.org", "tls": "tls", "from": "m@example.org",
+         "to": ["a@example.org", "b@example.org"]},
+        {"type": "pagerduty", "routing_key_env": "MFUWATCH_TEST_PD_KEY", "api_url": "https://u:pw@pd-proxy.internal/x"},
+        {"type": "teams", "url_env": "MFUWATCH_TEST_TEAMS_URL"},
+        {"type": "discord", "url_env": "MFUWATCH_TEST_DISCORD_URL"}],
+        "routes": [{"notifiers": ["email", "pagerduty", "teams", "discord"]}]}))
+    assert main(["check", "--config", str(cfg)]) == 0
+    cap = capsys.readouterr()
+    assert "notifier email (email) smtp.example.org:465 tls from m@example.org to a@example.org, b@example.org" in cap.out
+    assert "notifier pagerduty (pagerduty) api_url https://pd-proxy.internal/x, routing key from $MFUWATCH_TEST_PD_KEY" \
+        in cap.out and "pw" not in cap.out
+    assert "route[0] every alert -> email, pagerduty, teams, discord" in cap.out
+    assert "notifier teams: the Workflows URL from env MFUWATCH_TEST_TEAMS_URL has no sig= parameter" in cap.err
+    assert "notifier discord: the webhook URL from env MFUWATCH_TEST_DISCORD_URL does not end in " \
+        "/api/webhooks/<id>/<token>" in cap.err
+    assert "logic.azure.com" not in cap.out + cap.err and "discord.com" not in cap.out + cap.err
+    monkeypatch.setenv("MFUWATCH_TEST_TEAMS_URL", EXAMPLE_ENV["MFUWATCH_TEAMS_WORKFLOW_URL"])
+    monkeypatch.setenv("MFUWATCH_TEST_DISCORD_URL", EXAMPLE_ENV["MFUWATCH_DISCORD_WEBHOOK_URL"])
+    assert main(["check", "--config", str(cfg)]) == 0
+    assert "sig=" not in capsys.readouterr().err  # a whole URL: no warning
