@@ -22,6 +22,7 @@ could not be delivered. Starts fast: imports neither torch nor the agent.
 from __future__ import annotations
 
 import argparse
+import difflib
 import socket
 import sys
 import time
@@ -187,9 +188,30 @@ def _check(cfg) -> int:
 
     for w in severity_warnings(cfg.routes, cfg.notifiers) + url_warnings:
         print(f"warning: {w}", file=sys.stderr)
+    for w in _placeholder_warnings(cfg.rules):
+        print(f"warning: {w}", file=sys.stderr)
     print(f"silences: {len(cfg.silences)}, inhibit rules: {len(cfg.inhibit_rules)}, routes: {len(cfg.routes)}; "
           "config OK")
     return 0
+
+
+def _placeholder_warnings(rules) -> List[str]:
+    """``{labels.NAME}`` placeholders in a rule's annotations that name a label no alert of that rule carries
+    (they render empty): the base labels, the rule's own ``labels`` and Prometheus's target labels count."""
+    from .routing import BASE_LABELS
+
+    out = []
+    for r in rules:
+        known = set(BASE_LABELS) | set(getattr(r, "labels", {}) or {}) | {"instance", "job"}
+        for key, template in (getattr(r, "annotations", {}) or {}).items():
+            for kind, item in getattr(template, "parts", ()):
+                name = item[0][len("labels."):] if kind == "ph" and item[0].startswith("labels.") else None
+                if name is not None and name not in known:
+                    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+                    hint = f" (did you mean {near[0]!r}?)" if near else ""
+                    out.append(f"rules.{r.name}.annotations.{key}: {{labels.{name}}} names a label no alert of "
+                               f"this rule has{hint}; it renders empty (labels: {', '.join(sorted(known))})")
+    return out
 
 
 def _endpoint(n) -> str:
