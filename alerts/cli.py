@@ -291,6 +291,8 @@ def _test_notify(cfg, run: str, timeout: float) -> int:
     now = time.time()
     expected = {w.name: 0 for w in engine.workers}
     ok = True
+    cases = []
+    started = time.monotonic()
     for what, labels in _test_cases(cfg, run, info.host):
         if labels is None:
             print(f"{what}: no test alert reaches it (earlier routes take every alert it matches, or a regular "
@@ -310,16 +312,36 @@ def _test_notify(cfg, run: str, timeout: float) -> int:
                   + ("" if {w.name for w in takers} >= names else " (some notifiers filter its severity)"))
         for w in takers:
             expected[w.name] += 2
-        for status in ("firing", "resolved"):
+        cases.append((labels, severity, annotations))
+
+    def states(status: str):
+        for labels, severity, annotations in cases:
             alert = AlertSnapshot(name=labels["alertname"], status=status, severity=severity, labels=labels,
                                   annotations=annotations, starts_at=now,
                                   ends_at=now if status == "resolved" else None,
                                   value=None, threshold=0.0, op=">", unit="count")
-            for w in engine.workers:
-                w.submit(Notification({"run": run, "test_route": labels.get("test_route", "")}, (alert,)))
+            yield Notification({"run": run, "test_route": labels.get("test_route", "")}, (alert,))
+
+    def outcomes(w) -> float:
+        return sum(engine.registry.get_sample_value("mfuwatch_notifications_total", {
+            "run": run, "rank": "0", "sink": w.name, "outcome": o}) or 0 for o in ("sent", "failed"))
+
+    for n in states("firing"):
+        for w in engine.workers:
+            w.submit(n)
     for w in engine.workers:
         w.start()
-    engine.close(timeout=timeout)
+    # The resolved states go once the firing ones are delivered (or failed), so a retried firing state is not
+    # superseded by its resolved one (reported as a failure before) and a receiver sees firing, then resolved.
+    until = time.monotonic() + timeout / 2
+    while time.monotonic() < until and any(outcomes(w) < expected[w.name] / 2 for w in engine.workers):
+        time.sleep(0.05)
+    if any(w.notifier.config.type == "opsgenie" for w in engine.workers):
+        time.sleep(min(2.0, max(0.0, until - time.monotonic())))  # Opsgenie creates asynchronously (202)
+    for n in states("resolved"):
+        for w in engine.workers:
+            w.submit(n)
+    engine.close(timeout=max(1.0, timeout - (time.monotonic() - started)))
     for w in engine.workers:
         sent = engine.registry.get_sample_value("mfuwatch_notifications_total",
                                                 {"run": run, "rank": "0", "sink": w.name, "outcome": "sent"}) or 0
