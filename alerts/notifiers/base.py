@@ -235,10 +235,12 @@ class NotifierWorker:
             nxt = next((j for j in range(i + 1, len(items)) if items[j].group_key == old.group_key), None)
             if nxt is not None:
                 items[nxt] = merge_superseded(old, items[nxt])
+                self._parked.pop(id(old), None)
                 del items[i]
                 self._safe_count("superseded")
                 return incoming
             if old.group_key == incoming.group_key:
+                self._parked.pop(id(old), None)
                 del items[i]
                 self._safe_count("superseded")
                 return merge_superseded(old, incoming)
@@ -264,6 +266,7 @@ class NotifierWorker:
                 merged = merge_superseded(merged, items[i])
             items[same[-1]] = merge_superseded(merged, items[same[-1]])
             for i in reversed(same[:-1]):
+                self._parked.pop(id(items[i]), None)
                 del items[i]
             self._items = collections.deque(items)
         for _ in range(len(same)):

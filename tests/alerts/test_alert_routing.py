@@ -441,9 +441,10 @@ def test_check_shows_where_each_notifier_sends_and_warns_about_urls_without_thei
         "routes": [{"notifiers": ["email", "pagerduty", "teams", "discord"]}]}))
     assert main(["check", "--config", str(cfg)]) == 0
     cap = capsys.readouterr()
-    assert "notifier email (email) smtp.example.org:465 tls from m@example.org to a@example.org, b@example.org" in cap.out
-    assert "notifier pagerduty (pagerduty) api_url https://pd-proxy.internal/x, routing key from $MFUWATCH_TEST_PD_KEY" \
-        in cap.out and "pw" not in cap.out
+    assert "notifier email (email) smtp.example.org:465 tls from m@example.org to a@example.org, " \
+        "b@example.org" in cap.out
+    assert "notifier pagerduty (pagerduty) api_url https://pd-proxy.internal/x, routing key from " \
+        "$MFUWATCH_TEST_PD_KEY" in cap.out and "pw" not in cap.out
     assert "route[0] every alert -> email, pagerduty, teams, discord" in cap.out
     assert "notifier teams: the Workflows URL from env MFUWATCH_TEST_TEAMS_URL has no sig= parameter" in cap.err
     assert "notifier discord: the webhook URL from env MFUWATCH_TEST_DISCORD_URL does not end in " \

@@ -145,7 +145,7 @@ def test_pagerduty_trigger_and_resolve_pair_on_the_fingerprint(monkeypatch):
     t_mb, t_stall = events[0], events[1]
     assert t_mb["payload"]["severity"] == "info" and t_stall["payload"]["severity"] == "critical"
     assert t_stall["payload"]["source"] == "node7/run-a/rank0"
-    # the summary names the run already: not repeated (it read "TrainingStalled on run run-a rank 0: ... on run run-a rank 0")
+    # the summary names the run already: not repeated (it was "TrainingStalled on run run-a rank 0: ... run-a rank 0")
     assert t_stall["payload"]["summary"] == "TrainingStalled: No training step for 12m on run run-a rank 0"
     d = t_mb["payload"]["custom_details"]
     assert d["fix_kernel"] == "rms_norm" and d["fix_apply"] == APPLY and d["fix_expected_gain"] == "12.3% of step time"
