@@ -22,6 +22,7 @@ could not be delivered. Starts fast: imports neither torch nor the agent.
 from __future__ import annotations
 
 import argparse
+import difflib
 import socket
 import sys
 import time
@@ -156,9 +157,11 @@ def _check(cfg) -> int:
     from .prometheus import rule_expr
     from .secrets import SecretError
 
+    url_warnings = []
     for n in cfg.notifiers:  # read every secret now, as the agent will at start (the value is never printed)
         try:
             notifier = build_notifier(n)
+            url_warnings += getattr(notifier, "url_warnings", list)()  # a Teams/Discord URL without its credential
             notifier.close()
         except (SecretError, ValueError) as exc:
             raise AlertConfigError(str(exc)) from None
@@ -171,18 +174,65 @@ def _check(cfg) -> int:
               f"{format_duration(r.cooldown_seconds):>8}  {path:<10}  {rule_expr(r)}{state}")
     print()
     for n in cfg.notifiers:
-        print(f"notifier {n.name} ({n.type}) {_secret_sources(n)}".rstrip())
+        print(f"notifier {n.name} ({n.type}) {', '.join(x for x in (_endpoint(n), _secret_sources(n)) if x)}"
+              .rstrip())
     if cfg.routes:
         from .routing import route_warnings
 
         for i, r in enumerate(cfg.routes):
-            when = ", ".join(str(m) for m in r.matchers) or "every other alert"
+            when = ", ".join(str(m) for m in r.matchers) or ("every alert" if i == 0 else "every other alert")
             print(f"route[{i}] {when} -> {', '.join(r.notifiers)}{' (continue)' if r.continue_ else ''}")
         for w in route_warnings(cfg.routes, [n.name for n in cfg.notifiers]):
             print(f"warning: {w}", file=sys.stderr)
+    from .routing import severity_warnings
+
+    for w in severity_warnings(cfg.routes, cfg.notifiers) + url_warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    for w in _placeholder_warnings(cfg.rules):
+        print(f"warning: {w}", file=sys.stderr)
     print(f"silences: {len(cfg.silences)}, inhibit rules: {len(cfg.inhibit_rules)}, routes: {len(cfg.routes)}; "
           "config OK")
     return 0
+
+
+def _placeholder_warnings(rules) -> List[str]:
+    """``{labels.NAME}`` placeholders in a rule's annotations that name a label no alert of that rule carries
+    (they render empty): the base labels, the rule's own ``labels`` and Prometheus's target labels count."""
+    from .routing import BASE_LABELS
+
+    out = []
+    for r in rules:
+        known = set(BASE_LABELS) | set(getattr(r, "labels", {}) or {}) | {"instance", "job"}
+        for key, template in (getattr(r, "annotations", {}) or {}).items():
+            for kind, item in getattr(template, "parts", ()):
+                name = item[0][len("labels."):] if kind == "ph" and item[0].startswith("labels.") else None
+                if name is not None and name not in known:
+                    near = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+                    hint = f" (did you mean {near[0]!r}?)" if near else ""
+                    out.append(f"rules.{r.name}.annotations.{key}: {{labels.{name}}} names a label no alert of "
+                               f"this rule has{hint}; it renders empty (labels: {', '.join(sorted(known))})")
+    return out
+
+
+def _endpoint(n) -> str:
+    """Where a notifier sends, when that is not a secret: ``smtp.example.org:587 starttls to a@x, b@y`` for
+    email, ``api_url https://…`` for an override (PagerDuty, Opsgenie, Teams, Discord), Opsgenie's region."""
+    from .notifiers.mail import DEFAULT_PORTS
+
+    if n.type == "email":
+        return f"{n.smtp_host}:{n.smtp_port or DEFAULT_PORTS[n.tls]} {n.tls} from {n.sender} to {', '.join(n.to)}"
+    out = []
+    if n.type == "opsgenie":
+        out.append(f"region {n.region}")
+    if getattr(n, "api_url", None):
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(n.api_url)
+        host = u.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        shown = urllib.parse.urlunsplit((u.scheme, host + (f":{u.port}" if u.port else ""), u.path, "", ""))
+        out.append(f"api_url {shown}")  # without userinfo or query, which may hold a credential
+    return ", ".join(out)
 
 
 def _secret_sources(n) -> str:
@@ -199,7 +249,8 @@ def _secret_sources(n) -> str:
 
 def _test_cases(cfg, run: str, host: str):
     """``(what, labels)`` of the synthetic test alerts: one per route, labelled so that it matches the route and
-    reaches it past the routes before it (a severity that no earlier route without ``continue`` takes), or
+    reaches it past the routes before it (a severity, else an alert name, that no earlier route without
+    ``continue`` takes; label values chosen by :func:`~.routing.sample_labels`), or
     one ``info`` alert when there are no routes. ``labels`` is ``None`` for a route no test alert can reach."""
     from .routing import route, sample_labels
     from .rules import SEVERITIES
@@ -209,12 +260,17 @@ def _test_cases(cfg, run: str, host: str):
         return [("every notifier", base)]
     values = {"severity": SEVERITIES, "alertname": [r.name for r in cfg.rules]}
     out = []
+    names = [base["alertname"]] + list(values["alertname"])  # another name when an earlier route takes the test one
     for i, r in enumerate(cfg.routes):
         found = None
-        for severity in SEVERITIES[::-1]:
-            labels = sample_labels(r, {**base, "severity": severity, "test_route": str(i)}, values)
-            if labels is not None and i in route(cfg.routes, labels)[1]:
-                found = labels
+        for name in names:
+            for severity in SEVERITIES[::-1]:
+                labels = sample_labels(r, {**base, "alertname": name, "severity": severity, "test_route": str(i)},
+                                       values)
+                if labels is not None and i in route(cfg.routes, labels)[1]:
+                    found = labels
+                    break
+            if found is not None:
                 break
         out.append((f"route[{i}] {', '.join(str(m) for m in r.matchers) or '(catch-all)'}", found))
     return out
@@ -235,6 +291,8 @@ def _test_notify(cfg, run: str, timeout: float) -> int:
     now = time.time()
     expected = {w.name: 0 for w in engine.workers}
     ok = True
+    cases = []
+    started = time.monotonic()
     for what, labels in _test_cases(cfg, run, info.host):
         if labels is None:
             print(f"{what}: no test alert reaches it (earlier routes take every alert it matches, or a regular "
@@ -254,16 +312,36 @@ def _test_notify(cfg, run: str, timeout: float) -> int:
                   + ("" if {w.name for w in takers} >= names else " (some notifiers filter its severity)"))
         for w in takers:
             expected[w.name] += 2
-        for status in ("firing", "resolved"):
+        cases.append((labels, severity, annotations))
+
+    def states(status: str):
+        for labels, severity, annotations in cases:
             alert = AlertSnapshot(name=labels["alertname"], status=status, severity=severity, labels=labels,
                                   annotations=annotations, starts_at=now,
                                   ends_at=now if status == "resolved" else None,
                                   value=None, threshold=0.0, op=">", unit="count")
-            for w in engine.workers:
-                w.submit(Notification({"run": run, "test_route": labels.get("test_route", "")}, (alert,)))
+            yield Notification({"run": run, "test_route": labels.get("test_route", "")}, (alert,))
+
+    def outcomes(w) -> float:
+        return sum(engine.registry.get_sample_value("mfuwatch_notifications_total", {
+            "run": run, "rank": "0", "sink": w.name, "outcome": o}) or 0 for o in ("sent", "failed"))
+
+    for n in states("firing"):
+        for w in engine.workers:
+            w.submit(n)
     for w in engine.workers:
         w.start()
-    engine.close(timeout=timeout)
+    # The resolved states go once the firing ones are delivered (or failed), so a retried firing state is not
+    # superseded by its resolved one (reported as a failure before) and a receiver sees firing, then resolved.
+    until = time.monotonic() + timeout / 2
+    while time.monotonic() < until and any(outcomes(w) < expected[w.name] / 2 for w in engine.workers):
+        time.sleep(0.05)
+    if any(w.notifier.config.type == "opsgenie" for w in engine.workers):
+        time.sleep(min(2.0, max(0.0, until - time.monotonic())))  # Opsgenie creates asynchronously (202)
+    for n in states("resolved"):
+        for w in engine.workers:
+            w.submit(n)
+    engine.close(timeout=max(1.0, timeout - (time.monotonic() - started)))
     for w in engine.workers:
         sent = engine.registry.get_sample_value("mfuwatch_notifications_total",
                                                 {"run": run, "rank": "0", "sink": w.name, "outcome": "sent"}) or 0

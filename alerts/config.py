@@ -382,8 +382,12 @@ def parse_notifier(spec: Any, where: str, default_queue_size: int) -> NotifierCo
         if key in spec:
             raise AlertConfigError(f"{where}.{key}: secrets are not written in the config; use {key}_env (an "
                                    f"environment variable) or {key}_file (a file holding it)")
-    check_keys(spec, NOTIFIER_KEYS, where)
     kind = spec.get("type")
+    if kind in NOTIFIER_TYPES:  # an unknown key: the nearest and the list from this type's own keys
+        own = _COMMON_KEYS + TYPE_KEYS[kind]
+        check_keys({k: v for k, v in spec.items() if k not in NOTIFIER_KEYS or k in own}, own, where)
+    else:
+        check_keys(spec, NOTIFIER_KEYS, where)
     if kind not in NOTIFIER_TYPES:
         near = difflib.get_close_matches(str(kind), NOTIFIER_TYPES, n=1, cutoff=0.5)
         hint = f" (did you mean {near[0]!r}?)" if near else ""

@@ -176,20 +176,138 @@ def route_warnings(routes: Sequence[Route], notifier_names: Sequence[str]) -> Li
     return out
 
 
+def _route_severities(r: Route) -> Tuple[str, ...]:
+    """The severities an alert taken by route ``r`` can have (its ``severity`` matchers, checked on each)."""
+    ms = [m for m in r.matchers if m.name == "severity"]
+    return tuple(s for s in SEVERITIES if all_match(ms, {"severity": s}))
+
+
+def severity_warnings(routes: Sequence[Route], notifiers: Sequence[Any]) -> List[str]:
+    """What ``check`` says about a notifier's own ``severities`` and ``severity_map`` (``notifiers``: the
+    :class:`~.config.NotifierConfig` list): a route that sends a notifier a severity its ``severities`` drops
+    (silently: routing and the notifier's filter both apply), and a ``severity_map`` entry that can never
+    apply (its severity is dropped by ``severities``, or no route sends that severity to the notifier)."""
+    out = []
+    for n in notifiers:
+        own = tuple(getattr(n, "severities", SEVERITIES))
+        reaching: List[str] = []
+        for i, r in enumerate(routes):
+            if n.name not in r.notifiers:
+                continue
+            sev = _route_severities(r)
+            reaching.extend(x for x in sev if x not in reaching)
+            dropped = [x for x in sev if x not in own]
+            if dropped:
+                out.append(f"route[{i}] sends {', '.join(dropped)} alerts to {n.name}, whose own `severities: "
+                           f"[{', '.join(own)}]` drops them (nothing is logged when that happens): remove "
+                           f"`severities` from {n.name} and let the routes choose, or add "
+                           f"'severity=~\"{'|'.join(x for x in sev if x in own)}\"' to the route")
+        if not routes:
+            reaching = list(SEVERITIES)
+        for sev, value in getattr(n, "severity_map", ()):
+            if sev not in own:
+                out.append(f"notifier {n.name}: severity_map {sev}: {value} never applies: its `severities: "
+                           f"[{', '.join(own)}]` drops {sev} alerts")
+            elif sev not in reaching:
+                out.append(f"notifier {n.name}: severity_map {sev}: {value} never applies: no route sends it "
+                           f"{sev} alerts")
+    return out
+
+
+def regex_example(pattern: str) -> Optional[str]:
+    """A short string that ``re.fullmatch(pattern, ...)`` accepts, built from the parsed pattern (first branch,
+    each repeat at least once, ``.`` as ``x``, a class as its first member), or ``None`` when the pattern has
+    parts this does not invert (look-arounds, back-references, negated classes) or the result does not match
+    after all (always checked with the compiled regex)."""
+    import re
+
+    try:
+        from re import _parser as sre  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as sre  # type: ignore[no-redef]
+
+    category = {sre.CATEGORY_DIGIT: "0", sre.CATEGORY_WORD: "a", sre.CATEGORY_SPACE: " ",
+                sre.CATEGORY_NOT_DIGIT: "a", sre.CATEGORY_NOT_WORD: "-", sre.CATEGORY_NOT_SPACE: "a"}
+
+    def build(items) -> str:
+        out = []
+        for op, av in items:
+            if op is sre.LITERAL:
+                out.append(chr(av))
+            elif op is sre.ANY:
+                out.append("x")
+            elif op is sre.AT:
+                continue
+            elif op is sre.IN:
+                first = av[0]
+                if first[0] is sre.NEGATE:
+                    raise ValueError(pattern)
+                if first[0] is sre.LITERAL:
+                    out.append(chr(first[1]))
+                elif first[0] is sre.RANGE:
+                    out.append(chr(first[1][0]))
+                elif first[0] is sre.CATEGORY and first[1] in category:
+                    out.append(category[first[1]])
+                else:
+                    raise ValueError(pattern)
+            elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT, getattr(sre, "POSSESSIVE_REPEAT", object())):
+                lo, hi, sub = av
+                out.append(build(sub) * max(lo, min(1, hi)))
+            elif op is sre.BRANCH:
+                out.append(build(av[1][0]))
+            elif op is sre.SUBPATTERN:
+                out.append(build(av[-1]))
+            elif op is getattr(sre, "ATOMIC_GROUP", object()):
+                out.append(build(av))
+            else:
+                raise ValueError(pattern)
+        return "".join(out)
+
+    try:
+        text = build(sre.parse(pattern))
+    except (ValueError, TypeError, IndexError, re.error):
+        return None
+    return text if re.fullmatch(pattern, text) is not None else None
+
+
+def _candidates(m: Matcher, known: Sequence[str]) -> List[str]:
+    """Values to try for matcher ``m``'s label, most realistic first: the configured values (severities, alert
+    names), then (``=``/``=~``) the matcher's literal alternatives and a string built from its regex."""
+    import re
+
+    out = list(known)
+    if m.op == "=":
+        out.append(m.value)
+    elif m.op == "=~":
+        out.extend(a for a in m.value.split("|") if a and re.escape(a) == a)  # plain alternatives only
+        example = regex_example(m.value)
+        if example is not None:
+            out.append(example)
+    else:  # a negative matcher: any value it does not exclude
+        out.extend(["mfuwatch-test", f"not-{m.value}"])
+    return out
+
+
 def sample_labels(r: Route, base: Mapping[str, str], values: Mapping[str, Sequence[str]]) -> Optional[dict]:
-    """Labels that satisfy every matcher of route ``r`` (for ``test-notify``), starting from ``base``;
-    candidates for a label come from ``values`` (severities, alert names) and the matchers' own values.
-    ``None`` when no candidate satisfies a matcher (a regular expression too general to invert)."""
+    """Labels that satisfy every matcher of route ``r`` (for ``test-notify``), starting from ``base``.
+
+    For a label whose ``base`` value some matcher refuses, the candidates are, in order: the configured
+    values in ``values`` (severities, alert names), the matcher's literal alternatives (``critical|warning``)
+    and a string built from its regular expression (``prod-.*`` -> ``prod-x``); the first that satisfies
+    *every* matcher on that label (positive and negative, each checked with its compiled regex) is taken.
+    ``None`` when no candidate does (a regular expression this cannot invert): the caller says "not tested".
+    """
     labels = dict(base)
-    for m in r.matchers:
-        if m.matches(labels):
+    for name in dict.fromkeys(m.name for m in r.matchers):
+        same = [m for m in r.matchers if m.name == name]
+        if all_match(same, labels):
             continue
-        candidates = [m.value] + [v.strip() for v in m.value.split("|")] + list(values.get(m.name, ())) \
-            + [f"not-{m.value}", "mfuwatch-test"]
-        for c in candidates:
-            trial = {**labels, m.name: c}
-            if m.matches(trial) and all_match([x for x in r.matchers if x.name == m.name], trial):
-                labels = trial
+        tried: List[str] = []
+        for m in same:
+            tried.extend(c for c in _candidates(m, values.get(name, ())) if c not in tried)
+        for c in tried:
+            if all_match(same, {**labels, name: c}):
+                labels[name] = c
                 break
         else:
             return None

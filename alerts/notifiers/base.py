@@ -12,7 +12,11 @@ retried until delivered or replaced by a newer state of the same group):
 * Notifications are delivered first in, first out. A failed attempt that a later
   attempt can fix (connection error, timeout, 408, 429, 5xx) is retried with
   capped exponential backoff for as long as it takes, unless the notifier sets
-  ``max_retries``.
+  ``max_retries``. While a state waits for its retry and a state of *another*
+  group is queued, the waiting state is *parked* at the back of the queue until
+  its retry time (keeping its retry count), so one failing group never holds the
+  other groups' notifications back; order across groups may then change, order
+  within a group never does.
 * While a notification waits for its next retry, a newer notification of the
   same group (same ``group_key``) *supersedes* it: the old one is abandoned and
   the newest state of the group is delivered instead. Alerts that were resolved
@@ -25,7 +29,14 @@ retried until delivered or replaced by a newer state of the same group):
   (groups are bounded by the rules and ``group_by``).
 * ``close(deadline)`` keeps delivering (and retrying) until the deadline, then
   stops; what it could not deliver is counted ``dropped``, logged once as
-  "dropped at close" and listed in :attr:`NotifierWorker.undelivered`.
+  "dropped at close" and listed in :attr:`NotifierWorker.undelivered`. While
+  closing, a wait the server asked for (HTTP 429/503 ``Retry-After``, Discord's
+  ``retry_after``) is honoured in full, or, when it would end past the deadline,
+  the notification is given up at once (``dropped``) instead of being re-sent
+  early; a backoff wait is shortened to a quarter of the time left (at least
+  :data:`CLOSING_MIN_WAIT`), and at most :data:`CLOSING_MAX_RETRIES` retries of
+  one notification start after closing began, so a failing receiver gets a
+  bounded number of requests.
 
 Outcomes, counted in ``mfuwatch_notifications_total{sink,outcome}``:
 
@@ -43,7 +54,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ..config import NotifierConfig
 from ..model import Notification
@@ -53,8 +64,12 @@ log = logging.getLogger("mfuwatch.alerts")
 
 OUTCOMES = ("sent", "failed", "superseded", "dropped", "retry")
 Counter = Callable[[str, str], None]  # (sink, outcome) -> None
-#: While closing, no retry waits longer than this (seconds), so the deadline is spent retrying.
-CLOSING_MAX_WAIT = 0.25
+#: While closing, a backoff wait (not one the server asked for) is cut to this share of the time left ...
+CLOSING_SHARE = 0.25
+#: ... but never below this many seconds (or the configured backoff, if shorter), so closing never hammers.
+CLOSING_MIN_WAIT = 1.0
+#: While closing, at most this many retries of one notification; then it is given up (``dropped``).
+CLOSING_MAX_RETRIES = 5
 
 
 class Notifier(ABC):
@@ -82,10 +97,14 @@ class Notifier(ABC):
     def deliver(self, notification: Notification, wait: Callable[[float], bool], on_retry: Callable[[], None]) -> str:
         """Deliver one notification; return ``"sent"``, ``"failed"`` or ``"dropped"``. Must not raise.
 
-        ``wait(seconds)`` sleeps before a retry and returns ``False`` when the
-        notification should be given up (the worker is closing and its deadline
-        passed, or a newer state of the group superseded it): return ``"dropped"``
-        then. ``on_retry()`` counts one retry.
+        ``wait(seconds, server_asked=False)`` sleeps before a retry and returns
+        ``False`` when the notification should be given up (the worker is closing
+        and the wait does not fit before its deadline, or a newer state of the group
+        superseded it): return ``"dropped"`` then. ``server_asked`` says the server
+        set the wait (Retry-After), so closing must not shorten it. The worker's
+        ``wait`` also has ``plan(seconds, server_asked=False)``: the wait it will
+        really do (``None``: it will give up), for the log line. ``on_retry()``
+        counts one retry.
         """
 
     def rendered(self, render: Callable[[Notification], object], notification: Notification) -> Optional[object]:
@@ -138,6 +157,9 @@ class NotifierWorker:
         self._items: Deque[Notification] = collections.deque()
         self._cv = threading.Condition()
         self._current: Optional[Notification] = None
+        #: id(state) -> (state, not before (clock), retries so far, closing retries so far): states parked at
+        #: the back of the queue while they wait for a retry, so other groups are not held behind them.
+        self._parked: Dict[int, Tuple[Notification, float, int, int]] = {}
         self._closing = threading.Event()
         self._deadline: Optional[float] = None  # clock() by which close() wants to be done
         self._now = clock
@@ -213,10 +235,12 @@ class NotifierWorker:
             nxt = next((j for j in range(i + 1, len(items)) if items[j].group_key == old.group_key), None)
             if nxt is not None:
                 items[nxt] = merge_superseded(old, items[nxt])
+                self._parked.pop(id(old), None)
                 del items[i]
                 self._safe_count("superseded")
                 return incoming
             if old.group_key == incoming.group_key:
+                self._parked.pop(id(old), None)
                 del items[i]
                 self._safe_count("superseded")
                 return merge_superseded(old, incoming)
@@ -242,6 +266,7 @@ class NotifierWorker:
                 merged = merge_superseded(merged, items[i])
             items[same[-1]] = merge_superseded(merged, items[same[-1]])
             for i in reversed(same[:-1]):
+                self._parked.pop(id(items[i]), None)
                 del items[i]
             self._items = collections.deque(items)
         for _ in range(len(same)):
@@ -256,8 +281,14 @@ class NotifierWorker:
                         self._cv.wait(0.5)
                     if self._past_deadline() or (not self._items and self._closing.is_set()):
                         break
-                    item = self._items.popleft()
-                self._deliver_one(item)
+                    item, parked = self._next_ready()
+                if item is None:  # every queued state is parked until its retry time
+                    self._sleep(0.05)
+                    continue
+                if parked is not None and self._newer_in_queue(item):
+                    self._supersede(item)  # a newer state of its group came while it was parked
+                    continue
+                self._deliver_one(item, parked)
             self._drain_dropped()
         finally:
             try:
@@ -265,22 +296,67 @@ class NotifierWorker:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _deliver_one(self, item: Notification) -> None:
-        retries = [0]
+    def _parked_entry(self, n: Notification) -> Optional[Tuple[Notification, float, int, int]]:
+        entry = self._parked.get(id(n))
+        return entry if entry is not None and entry[0] is n else None
+
+    def _next_ready(self) -> Tuple[Optional[Notification], Optional[Tuple[Notification, float, int, int]]]:
+        """Pop the first queued state that may be tried now (not parked, or parked until a time now past);
+        ``(None, None)`` when every state is parked. Called with ``self._cv`` held."""
+        now = self._now()
+        for i, n in enumerate(self._items):
+            entry = self._parked_entry(n)
+            if entry is None or entry[1] <= now:
+                del self._items[i]
+                self._parked.pop(id(n), None)
+                return n, entry
+        return None, None
+
+    def _other_group_ready(self, item: Notification) -> bool:
+        """Whether a state of another group is queued and may be tried now (then ``item`` parks)."""
+        now = self._now()
+        with self._cv:
+            for n in self._items:
+                if n.group_key != item.group_key:
+                    entry = self._parked_entry(n)
+                    if entry is None or entry[1] <= now:
+                        return True
+        return False
+
+    def _deliver_one(self, item: Notification, parked: Optional[Tuple[Notification, float, int, int]] = None) -> None:
+        """Deliver ``item`` (its retry state carried over when it comes back from being parked). A retry wait
+        with another group's state ready parks ``item`` at the back of the queue until its retry time, so one
+        failing group does not hold back the others (head-of-line blocking across groups)."""
+        retries = [parked[2] if parked else 0]
         superseded = [False]
 
         def on_retry() -> None:
             retries[0] += 1
             self._safe_count("retry")
 
-        def wait(seconds: float) -> bool:
-            ok = self._wait(seconds, item)
-            if not ok and self._newer_in_queue(item):
-                superseded[0] = True
-            return ok
+        worker = self
 
+        class Wait:
+            """The ``wait`` handed to :meth:`Notifier.deliver` (see there)."""
+
+            closing_retries = parked[3] if parked else 0  # retries of this state that started after close began
+            prior_retries = retries[0]  # retries before it was parked (retry_loop counts max_retries from here)
+            deferred: Optional[float] = None  # parked: the clock time of its next try
+
+            def plan(self, seconds: float, server_asked: bool = False) -> Optional[float]:
+                return worker._plan(seconds, server_asked, self.closing_retries)
+
+            def __call__(self, seconds: float, server_asked: bool = False) -> bool:
+                ok = worker._wait(seconds, item, server_asked, self)
+                if not ok and worker._newer_in_queue(item):
+                    superseded[0] = True
+                if (ok or self.deferred is not None) and worker._deadline is not None:
+                    self.closing_retries += 1
+                return ok
+
+        waiter = Wait()
         try:
-            outcome = self.notifier.deliver(item, wait, on_retry)
+            outcome = self.notifier.deliver(item, waiter, on_retry)
         except Exception as exc:  # noqa: BLE001 - a notifier bug must not kill the thread
             self.notifier.warn_once("deliver-bug", "mfuwatch alerts: %s failed to deliver (%s)", self.name,
                                     type(exc).__name__)
@@ -288,21 +364,61 @@ class NotifierWorker:
         if superseded[0]:
             self._supersede(item)
             return
+        if waiter.deferred is not None and outcome == "dropped":
+            with self._cv:
+                newer = any(n.group_key == item.group_key for n in self._items)
+                if not newer:  # park it behind the others until its retry time
+                    self._items.append(item)
+                    self._parked[id(item)] = (item, waiter.deferred, retries[0], waiter.closing_retries)
+                    self._cv.notify_all()
+            if newer:
+                self._supersede(item)
+            return
         if outcome == "dropped":
             self._note_undelivered(item)
         if outcome == "sent" and retries[0]:
             log.info("mfuwatch alerts: %s delivered %s after %d retries", self.name, describe(item), retries[0])
         self._safe_count(outcome if outcome in OUTCOMES else "failed")
 
-    def _wait(self, seconds: float, item: Notification) -> bool:
-        """Sleep ``seconds`` before a retry; ``False`` if past the close deadline or superseded meanwhile."""
+    def _plan(self, seconds: float, server_asked: bool, closing_retries: int) -> Optional[float]:
+        """The wait before the next try as the worker will do it, or ``None`` to give the notification up.
+
+        Not closing: ``seconds``. Closing: a server-asked wait in full if it ends before the deadline;
+        a backoff wait cut to ``max(CLOSING_MIN_WAIT, CLOSING_SHARE * time left)`` (never longer than asked);
+        ``None`` when the wait would end past the deadline or :data:`CLOSING_MAX_RETRIES` retries are spent.
+        """
+        seconds = max(0.0, seconds)
+        if self._deadline is None:
+            return seconds
+        left = self._deadline - self._now()
+        if closing_retries >= CLOSING_MAX_RETRIES:
+            return None
+        if not server_asked:
+            seconds = min(seconds, max(CLOSING_MIN_WAIT, CLOSING_SHARE * left))
+        return seconds if seconds < left else None
+
+    def _wait(self, seconds: float, item: Notification, server_asked: bool = False, waiter=None) -> bool:
+        """Sleep ``seconds`` before a retry; ``False`` if superseded meanwhile or, closing, if the wait does
+        not fit before the deadline (see :meth:`_plan`; a wait begun before close is re-planned then)."""
         end = self._now() + max(0.0, seconds)
+        replanned = self._deadline is not None
         while True:
             if self._newer_in_queue(item):
                 return False
+            if waiter is not None and self._other_group_ready(item):
+                waiter.deferred = end  # park it: deliver the other groups first (see _deliver_one)
+                return False
             now = self._now()
             if self._deadline is not None:
-                end = min(end, now + CLOSING_MAX_WAIT)  # closing: spend what is left retrying, not sleeping
+                if not replanned:  # close began during this wait: re-plan what is left of it
+                    replanned = True
+                    planned = self._plan(end - now, server_asked, waiter.closing_retries if waiter else 0)
+                    if planned is None:
+                        return False
+                    if now + planned < end:
+                        log.debug("mfuwatch alerts: %s closing: next try of %s in %.2fs", self.name,
+                                  describe(item), planned)
+                    end = min(end, now + planned)
                 if now >= self._deadline or end > self._deadline:
                     return False
             left = end - now
@@ -316,6 +432,7 @@ class NotifierWorker:
     def _drain_dropped(self) -> None:
         with self._cv:
             items, self._items = list(self._items), collections.deque()
+            self._parked.clear()
         for n in items:
             self._safe_count("dropped")
             self._note_undelivered(n)

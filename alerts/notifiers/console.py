@@ -7,7 +7,7 @@ terminal or a job log::
       Memory-bound kernels take 62.3% of GPU time on run demo rank 0
       value 62.3% (threshold > 40%)
       fix: rms_norm: mfuwatch.kernels.patch(model, kernels=["rms_norm"])  (expected gain 12.3% of step time)
-      runbook: https://…/MemoryBoundDominant.md
+      Runbook: https://…/MemoryBoundDominant.md
 """
 
 from __future__ import annotations
@@ -32,6 +32,41 @@ def format_number(value: float, unit: str) -> str:
     return fmt_g(value)
 
 
+#: The most characters of a ``description`` annotation a message shows (whole lines, then "… N more line(s)").
+MAX_DESCRIPTION = 2000
+
+
+def fixes_of(a: AlertSnapshot) -> List[dict]:
+    """The fixes a message names: the first suggestion, and the bundled drop-in when the first is not one;
+    without suggestions, a hand-written ``suggested_apply`` annotation (with ``suggested_kernel`` and
+    ``suggested_expected_gain`` when given) is the fix."""
+    suggestions = list(a.context.get("suggestions") or [])
+    shown = suggestions[:1]
+    if shown and shown[0].get("kind") != "bundled":
+        shown += [s for s in suggestions[1:] if s.get("kind") == "bundled"][:1]
+    if not shown and a.annotations.get("suggested_apply"):
+        shown = [{"kernel": a.annotations.get("suggested_kernel") or "fix", "apply": a.annotations["suggested_apply"],
+                  "expected_gain": a.annotations.get("suggested_expected_gain")}]
+    return shown
+
+
+def gain_text(gain) -> str:
+    """``  (expected gain 12.3% of step time)`` for a ratio, ``  (expected gain <as written>)`` for text."""
+    if gain is None or gain == "":
+        return ""
+    if isinstance(gain, (int, float)):
+        return f"  (expected gain {fmt_pct(gain)} of step time)"
+    return f"  (expected gain {gain})"
+
+
+def description_lines(a: AlertSnapshot, limit: int = MAX_DESCRIPTION) -> List[str]:
+    """The ``description`` annotation as whole lines within ``limit`` characters (empty list when none)."""
+    from .text import fit_lines
+
+    text = a.annotations.get("description", "")
+    return fit_lines(text.splitlines(), limit).splitlines() if text.strip() else []
+
+
 def alert_lines(a: AlertSnapshot) -> List[str]:
     """The console lines of one alert."""
     lab = a.labels
@@ -40,20 +75,17 @@ def alert_lines(a: AlertSnapshot) -> List[str]:
     lines = [head]
     if a.annotations.get("summary"):
         lines.append("  " + a.annotations["summary"])
+    lines.extend("  " + x for x in description_lines(a))
     if a.value is not None:
         lines.append(f"  value {format_number(a.value, a.unit)} (threshold {a.op} {format_number(a.threshold, a.unit)})")
     hang = a.context.get("hang")
     if hang:  # a stall: where the training thread waits, innermost frame first
         lines.append("  waiting at: " + a.annotations.get("waiting_at", hang.get("where", "")))
         lines.extend("    " + f for f in hang.get("frames", [])[1:])
-    suggestions = list(a.context.get("suggestions") or [])
-    shown = suggestions[:1]
-    if shown and shown[0].get("kind") != "bundled":  # also name the bundled drop-in when there is one
-        shown += [s for s in suggestions[1:] if s.get("kind") == "bundled"][:1]
-    for s in shown:
-        lines.append(f"  fix: {s['kernel']}: {s['apply']}  (expected gain {fmt_pct(s['expected_gain'])} of step time)")
+    for s in fixes_of(a):  # the first suggestion, and the bundled drop-in when there is one
+        lines.append(f"  fix: {s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}")
     if a.annotations.get("runbook_url"):
-        lines.append("  runbook: " + a.annotations["runbook_url"])
+        lines.append("  Runbook: " + a.annotations["runbook_url"])
     return lines
 
 

@@ -35,6 +35,7 @@ import requests
 
 from ..model import AlertSnapshot, Notification, rfc3339
 from .http import HttpNotifier
+from .text import description_lines as description_text
 from .text import MAX_URL, cut, facts, fit_lines, fix_line, links, shown_fixes, source, title
 
 MAX_CONTENT = 2000
@@ -66,7 +67,7 @@ def description_lines(a: AlertSnapshot) -> List[str]:
         lines.append(f"**Training thread waits at** `{a.annotations['waiting_at']}`")
     lines += [f"**Fix:** `{fix_line(s)}`" for s in shown_fixes(a)]
     lines += [f"[{label}]({url})" for label, url in links(a)]
-    return lines
+    return lines + description_text(a)  # last: a long description never pushes the fix out
 
 
 def alert_embed(a: AlertSnapshot, budget: int = MAX_EMBED_TOTAL) -> Dict[str, Any]:
@@ -114,6 +115,19 @@ class DiscordNotifier(HttpNotifier):
 
     def render(self, notification: Notification) -> Dict[str, Any]:
         return discord_message(notification)
+
+    def url_warnings(self) -> List[str]:
+        """``check``'s warning when the webhook URL is not ``…/api/webhooks/<id>/<token>`` (the token is the
+        credential; the URL is never shown): Discord answers such a POST 401 or 404."""
+        import re
+        import urllib.parse
+
+        assert self._url is not None
+        path = urllib.parse.urlsplit(self._url.reveal()).path
+        if not re.search(r"/api(/v\d+)?/webhooks/\d+/[^/]+/?$", path):
+            return [f"notifier {self.name}: the webhook URL from {self._url.source} does not end in "
+                    "/api/webhooks/<id>/<token> (the token is its credential); Discord will answer 401 or 404"]
+        return []
 
     def retry_after(self, resp: requests.Response) -> Optional[float]:
         """A 429's ``retry_after`` (seconds, may be fractional) from the JSON body, else ``Retry-After``."""

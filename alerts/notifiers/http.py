@@ -13,7 +13,8 @@ what a later attempt can fix:
   or jobs failing together do not retry in lockstep.
 
 Retries go on until the worker gives up the notification (a newer state of its
-group superseded it, or close()'s deadline passed: ``wait`` returns False) or,
+group superseded it, or, closing, the next wait does not fit before close()'s deadline:
+``wait.plan`` returns None or ``wait`` returns False; see :mod:`.base`) or,
 when the notifier sets ``max_retries``, after that many. Other 4xx answers are final (``failed``): the request itself is wrong. Log lines
 and errors name the sink and the exception *type* or status code only; the URL
 (the secret) never leaves :class:`~mfuwatch.alerts.secrets.Secret`.
@@ -32,7 +33,7 @@ import requests
 
 from ..config import NotifierConfig
 from ..model import Notification
-from ..secrets import Secret, resolve_secret
+from ..secrets import Secret, redact, resolve_secret
 from ..validation import check_url
 from .base import Notifier
 
@@ -61,6 +62,38 @@ def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> 
     return b / 2.0 + rng.uniform(0.0, b / 2.0)
 
 
+def connection_problem(exc: BaseException) -> str:
+    """What a ``requests`` connection error or timeout was, without its message (which holds the URL):
+    ``ConnectionError: DNS lookup failed``, ``...: connection refused``, ``ConnectTimeout``, ``ReadTimeout``,
+    ``SSLError``; the bare exception type when the cause is none of these."""
+    import socket
+    import ssl
+
+    name = type(exc).__name__
+    if isinstance(exc, (requests.ConnectTimeout, requests.ReadTimeout)):
+        return name
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, socket.gaierror) or type(e).__name__ == "NameResolutionError":
+            return f"{name}: DNS lookup failed"
+        if isinstance(e, ConnectionRefusedError):
+            return f"{name}: connection refused"
+        if isinstance(e, ConnectionResetError):
+            return f"{name}: connection reset"
+        if isinstance(e, ssl.SSLError):
+            return f"{name}: TLS error"
+        if isinstance(e, OSError) and getattr(e, "errno", None) in (101, 113):  # ENETUNREACH, EHOSTUNREACH
+            return f"{name}: network unreachable"
+        for nxt in (getattr(e, "reason", None), e.__cause__, e.__context__, *getattr(e, "args", ())):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+    return name
+
+
 Attempt = Tuple[Optional[str], str, Optional[float]]  # (final outcome or None to retry, reason, retry-after s)
 
 
@@ -76,7 +109,7 @@ def retry_loop(notifier: Notifier, attempt: Callable[[], Attempt], wait: Callabl
     ``reason`` (a status code or an exception *type*) is the only thing logged: never a URL or a secret.
     """
     cfg = notifier.config
-    tries = 0
+    tries = int(getattr(wait, "prior_retries", 0))  # a state that was parked keeps its count
     while True:
         outcome, reason, retry_after = attempt()
         if outcome is not None:
@@ -85,18 +118,49 @@ def retry_loop(notifier: Notifier, attempt: Callable[[], Attempt], wait: Callabl
             notifier.warn_once("gave-up", "mfuwatch alerts: %s still failing after %d retries (%s); notification "
                                "counted as failed", notifier.name, cfg.max_retries, reason)
             return "failed"
-        if retry_after is not None:
+        server_asked = retry_after is not None
+        if server_asked:
             delay = min(retry_after, cfg.max_backoff_seconds)
         else:
             delay = backoff_delay(tries, cfg.backoff_seconds, cfg.max_backoff_seconds, rng)
-        delays.append(delay)
+        plan = getattr(wait, "plan", None)
+        planned = plan(delay, server_asked) if plan is not None else delay
+        if planned is None:  # closing: the wait does not fit before the deadline, or the closing retries are spent
+            notifier.warn_once(f"closing-{reason}", "mfuwatch alerts: %s delivery failed (%s) while closing; "
+                               "the next try (%s %.2fs) would not fit in the close timeout; given up (counted "
+                               "dropped)", notifier.name, reason,
+                               "the server asked to wait" if server_asked else "after", delay)
+            return "dropped"
+        delays.append(planned)
         tries += 1
         on_retry()
         notifier.warn_once(f"retry-{reason}", "mfuwatch alerts: %s delivery failed (%s); retry %d (of %s) in "
-                           "%.2fs; retried until delivered, superseded or closed", notifier.name, reason, tries,
-                           "unlimited" if cfg.max_retries is None else cfg.max_retries, delay)
-        if not wait(delay):
+                           "%.2fs%s", notifier.name, reason, tries,
+                           "unlimited" if cfg.max_retries is None else cfg.max_retries, planned,
+                           "; retried until delivered, superseded or closed" if cfg.max_retries is None
+                           else f"; counted failed after {cfg.max_retries} retries")
+        if not (wait(planned, server_asked) if plan is not None else wait(planned)):
             return "dropped"
+
+
+def vendor_message(resp: requests.Response, limit: int = 200) -> str:
+    """The error text a vendor put in a non-2xx answer (JSON ``message``/``error``/``errors``, else the body),
+    on one line, at most ``limit`` characters, with every registered secret redacted; ``""`` if none."""
+    try:
+        text = resp.text or ""
+    except Exception:  # noqa: BLE001 - an undecodable body says nothing
+        return ""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        parts = [str(doc[k]) for k in ("message", "error", "errors", "status") if doc.get(k)]
+        text = "; ".join(parts) if parts else text
+    text = " ".join(text.split())
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return redact(text)
 
 
 class HttpNotifier(Notifier):
@@ -151,6 +215,19 @@ class HttpNotifier(Notifier):
             url = urllib.parse.urlunsplit((base.scheme, base.netloc, prefix + secret.path, secret.query, ""))
         return url
 
+    def host_label(self, target: str) -> str:
+        """How log lines name the server: its host[:port] when that is not secret (PagerDuty, Opsgenie, or an
+        ``api_url`` override), else ``the <type> URL`` (a webhook URL is the secret, host included)."""
+        import urllib.parse
+
+        if self.url_is_secret and not self.config.api_url:
+            return f"the {self.config.type} URL"
+        try:
+            parts = urllib.parse.urlsplit(target)
+            return redact(parts.hostname + (f":{parts.port}" if parts.port else "")) if parts.hostname else "?"
+        except ValueError:
+            return "?"
+
     def retry_after(self, resp: requests.Response) -> Optional[float]:
         """Seconds the server asks to wait before the next try (``Retry-After``); Discord overrides it."""
         return parse_retry_after(resp.headers.get("Retry-After"))
@@ -168,6 +245,7 @@ class HttpNotifier(Notifier):
             hdrs["Authorization"] = "Bearer " + self._token.reveal()
         hdrs.update(headers or {})
         target = self.endpoint(url)
+        host = self.host_label(target)
 
         def attempt() -> Attempt:
             try:
@@ -178,20 +256,21 @@ class HttpNotifier(Notifier):
                 status = resp.status_code
                 try:
                     after = self.retry_after(resp) if status in RETRY_STATUS else None
+                    said = vendor_message(resp) if not 200 <= status < 300 else ""
                 finally:
                     resp.close()
                 if 200 <= status < 300:
                     return "sent", "", None
                 if status not in RETRY_STATUS:
-                    self.warn_once(f"status-{status}", "mfuwatch alerts: %s answered HTTP %d; not retried",
-                                   self.name, status)
+                    self.warn_once(f"status-{status}", "mfuwatch alerts: %s: %s answered HTTP %d%s; not retried",
+                                   self.name, host, status, f" ({said})" if said else "")
                     return "failed", f"HTTP {status}", None
-                return None, f"HTTP {status}", after
+                return None, f"HTTP {status} from {host}" + (f" ({said})" if said else ""), after
             except (requests.ConnectionError, requests.Timeout) as exc:
-                return None, type(exc).__name__, None
+                return None, f"{connection_problem(exc)}, to {host}", None
             except requests.RequestException as exc:
-                self.warn_once(type(exc).__name__, "mfuwatch alerts: %s request failed (%s); not retried",
-                               self.name, type(exc).__name__)
+                self.warn_once(type(exc).__name__, "mfuwatch alerts: %s request to %s failed (%s); not retried",
+                               self.name, host, type(exc).__name__)
                 return "failed", type(exc).__name__, None
 
         return retry_loop(self, attempt, wait, on_retry, self._rng, self.retry_delays)

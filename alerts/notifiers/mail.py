@@ -37,7 +37,7 @@ from ..model import AlertSnapshot, Notification
 from ..secrets import Secret, resolve_secret
 from .base import Notifier
 from .http import Attempt, retry_loop
-from .text import cut, facts, fix_line, links, plain_with_links, shown_fixes, source, title
+from .text import cut, description_lines, facts, one_line, fix_line, links, plain_with_links, shown_fixes, source, title
 
 DEFAULT_PORTS = {"starttls": 587, "tls": 465, "none": 25}
 MAX_SUBJECT = 200
@@ -59,6 +59,8 @@ def _alert_html(a: AlertSnapshot) -> str:
     parts = [f"<h3>{e(a.name)} ({e(state)})</h3>"]
     if a.annotations.get("summary"):
         parts.append(f"<p>{e(a.annotations['summary'])}</p>")
+    if a.status == "firing" and description_lines(a):
+        parts.append(f"<p style=\"white-space: pre-wrap\">{e(chr(10).join(description_lines(a)))}</p>")
     rows = "".join(f"<tr><th align='left'>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in
                    facts(a) + [("Source", source(a))])
     parts.append(f"<table>{rows}</table>")
@@ -114,7 +116,7 @@ class EmailNotifier(Notifier):
             refs = thread if len(thread) <= MAX_THREAD_REFERENCES else thread[:1] + thread[-(MAX_THREAD_REFERENCES - 1):]
             msg["In-Reply-To"] = thread[-1]
             msg["References"] = " ".join(refs)
-        msg["X-Mfuwatch-Group"] = notification.group_key
+        msg["X-Mfuwatch-Group"] = one_line(notification.group_key)  # a run name may hold CR/LF
         msg.set_content(text_body(notification))
         msg.add_alternative(html_body(notification), subtype="html")
         return msg

@@ -49,9 +49,13 @@ PD_SEVERITIES = ("critical", "error", "warning", "info")
 
 
 def pd_summary(a: AlertSnapshot) -> str:
-    """``MemoryBoundDominant on run demo rank 0: <summary>`` within 1024 characters."""
-    head = f"{a.name} on run {a.labels.get('run', '')} rank {a.labels.get('rank', '')}"
+    """``MemoryBoundDominant on run demo rank 0: <summary>`` within 1024 characters; just
+    ``TrainingStalled: <summary>`` when the summary already names the run (the built-in ones do)."""
+    run = a.labels.get("run", "")
     summary = a.annotations.get("summary", "")
+    if summary and run and f"run {run}" in summary:
+        return cut(f"{a.name}: {summary}", MAX_SUMMARY)
+    head = f"{a.name} on run {run} rank {a.labels.get('rank', '')}"
     return cut(f"{head}: {summary}" if summary else head, MAX_SUMMARY)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 
 from ..model import AlertSnapshot, Notification
 from ..templates import fmt_pct
-from .console import format_number
+from .console import description_lines, fixes_of, format_number, gain_text
 from .http import HttpNotifier
 
 MAX_BLOCKS = 50
@@ -62,7 +62,11 @@ def alert_blocks(a: AlertSnapshot) -> List[Dict[str, Any]]:
     emoji = ":white_check_mark:" if a.status == "resolved" else _EMOJI.get(a.severity, "")
     title = f"{emoji} *{esc(a.name)}* ({esc(state)})"
     summary = a.annotations.get("summary", "")
-    blocks: List[Dict[str, Any]] = [{"type": "section", "text": _md(f"{title}\n{esc(summary)}")}]
+    head = f"{title}\n{esc(summary)}"
+    described = description_lines(a, MAX_SECTION_TEXT - len(head) - 200) if a.status == "firing" else []
+    if described:
+        head += "\n" + esc("\n".join(described))
+    blocks: List[Dict[str, Any]] = [{"type": "section", "text": _md(head)}]
     fields = [f"*Run*\n`{esc(lab.get('run', ''))}`", f"*Rank*\n{esc(lab.get('rank', ''))}",
               f"*Host*\n{esc(lab.get('host', '') or 'n/a')}"]
     if a.value is not None:
@@ -99,6 +103,10 @@ def alert_blocks(a: AlertSnapshot) -> List[Dict[str, Any]]:
         if others:
             text += "\nAlso: " + ", ".join(others)
         blocks.append({"type": "section", "text": _md(text)})
+    elif a.status == "firing" and fixes_of(a):  # a hand-written suggested_apply annotation
+        s = fixes_of(a)[0]
+        blocks.append({"type": "section", "text": _md(f"*Suggested fix:* `{esc(s['kernel'])}`\n```{esc(s['apply'])}```"
+                                                      + esc(gain_text(s.get("expected_gain"))))})
     links = []
     if a.annotations.get("runbook_url"):
         links.append(_md(_link(a.annotations["runbook_url"], "Runbook"), MAX_FIELD_TEXT))
@@ -119,7 +127,8 @@ def slack_message(notification: Notification) -> Dict[str, Any]:
     if len(alerts) == 1:
         head = f"[{status}] {alerts[0].name} · run {run}"
     else:
-        head = f"[{status}:{len(firing)}] {len(alerts)} alerts · run {run}"
+        head = f"[{status}{':' + str(len(firing)) if firing else ''}] {len(alerts)} alerts · run {run}"
+    head = " ".join(head.split())  # a run name with CR/LF stays one line
     blocks: List[Dict[str, Any]] = [{"type": "header", "text": {"type": "plain_text", "text": cut(head, MAX_HEADER),
                                                                 "emoji": True}}]
     shown = 0

@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 
 from ..model import AlertSnapshot, Notification
 from .http import HttpNotifier
-from .text import cut, facts, fit_lines, fix_line, links, shown_fixes, source, title
+from .text import cut, description_lines, facts, fit_lines, fix_line, links, shown_fixes, source, title
 
 CARD_CONTENT_TYPE = "application/vnd.microsoft.card.adaptive"
 CARD_SCHEMA = "http://adaptivecards.io/schemas/adaptive-card.json"
@@ -53,6 +53,8 @@ def alert_container(a: AlertSnapshot) -> Dict[str, Any]:
                                          color=_COLOR.get(state, "Default"))]
     if a.annotations.get("summary"):
         items.append(_text(fit_lines(a.annotations["summary"].splitlines(), MAX_TEXT)))
+    if a.status == "firing" and description_lines(a, MAX_TEXT):
+        items.append(_text("\n\n".join(description_lines(a, MAX_TEXT)), isSubtle=True))
     fs = [{"title": cut(k, MAX_FACT), "value": cut(str(v) or "-", MAX_FACT)} for k, v in facts(a)]
     fs.append({"title": "Source", "value": cut(source(a), MAX_FACT)})
     items.append({"type": "FactSet", "facts": fs})
@@ -109,3 +111,15 @@ class TeamsNotifier(HttpNotifier):
 
     def render(self, notification: Notification) -> Dict[str, Any]:
         return teams_message(notification)
+
+    def url_warnings(self) -> List[str]:
+        """``check``'s warning when the Workflows URL lacks its ``sig=`` credential (the URL is never shown):
+        Microsoft answers such a POST 401."""
+        import urllib.parse
+
+        assert self._url is not None
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self._url.reveal()).query)
+        if "sig" not in query:
+            return [f"notifier {self.name}: the Workflows URL from {self._url.source} has no sig= parameter (its "
+                    "credential); Teams will answer 401: copy the whole URL the workflow shows"]
+        return []

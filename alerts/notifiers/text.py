@@ -13,11 +13,12 @@ characters; the JSON encoder escapes the text, so a cut never breaks the JSON.
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from typing import Any, Dict, List, Mapping, Sequence
 
 from ..model import AlertSnapshot, Notification
 from ..templates import fmt_pct
-from .console import alert_lines, format_number, resolved_lines
+from .console import alert_lines, description_lines, fixes_of, format_number, gain_text, resolved_lines
 
 ELLIPSIS = "…"
 
@@ -50,6 +51,15 @@ def fit_lines(lines: Sequence[str], limit: int, more: str = "… {n} more line(s
     return cut(lines[0], limit)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]+")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every control character (CR, LF, tab, ...) and line separator replaced by one space, for
+    a title, an e-mail header or a ``source``: a run named ``"a\r\nBcc: x"`` stays one harmless line."""
+    return _CONTROL.sub(" ", str(text))
+
+
 def utc(ts: float) -> str:
     """Unix seconds as ``2025-06-01 18:00:00 UTC``."""
     return _dt.datetime.fromtimestamp(ts, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -61,30 +71,27 @@ def title(notification: Notification) -> str:
     run = notification.group_labels.get("run") or (alerts[0].labels.get("run", "") if alerts else "")
     status = notification.status.upper()
     if len(alerts) == 1:
-        return f"[{status}] {alerts[0].name} · run {run}"
+        return one_line(f"[{status}] {alerts[0].name} · run {run}")
     firing = sum(1 for a in alerts if a.status == "firing")
     count = f":{firing}" if firing else ""
-    return f"[{status}{count}] {len(alerts)} alerts · run {run}"
+    return one_line(f"[{status}{count}] {len(alerts)} alerts · run {run}")
 
 
 def source(a: AlertSnapshot) -> str:
     """Where the alert comes from: ``host/run/rank`` (``node7/demo/rank0``)."""
     lab = a.labels
-    return f"{lab.get('host') or 'unknown-host'}/{lab.get('run', '')}/rank{lab.get('rank', '')}"
+    return one_line(f"{lab.get('host') or 'unknown-host'}/{lab.get('run', '')}/rank{lab.get('rank', '')}")
 
 
 def shown_fixes(a: AlertSnapshot) -> List[Mapping[str, Any]]:
-    """The suggestions a message names: the first, and the bundled drop-in when the first is not one."""
-    suggestions = list(a.context.get("suggestions") or [])
-    shown = suggestions[:1]
-    if shown and shown[0].get("kind") != "bundled":
-        shown += [s for s in suggestions[1:] if s.get("kind") == "bundled"][:1]
-    return shown
+    """The suggestions a message names: the first, and the bundled drop-in when the first is not one (else a
+    hand-written ``suggested_apply`` annotation; see :func:`~.console.fixes_of`)."""
+    return fixes_of(a)
 
 
 def fix_line(s: Mapping[str, Any]) -> str:
     """One fix, whole: ``rms_norm: mfuwatch.kernels.patch(...)  (expected gain 12.3% of step time)``."""
-    return f"{s['kernel']}: {s['apply']}  (expected gain {fmt_pct(s['expected_gain'])} of step time)"
+    return f"{s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}"
 
 
 def fix_details(a: AlertSnapshot) -> Dict[str, str]:
@@ -95,7 +102,10 @@ def fix_details(a: AlertSnapshot) -> Dict[str, str]:
         p = "fix" if i == 0 else "bundled_fix"
         out[f"{p}_kernel"] = str(s["kernel"])
         out[f"{p}_apply"] = str(s["apply"])
-        out[f"{p}_expected_gain"] = f"{fmt_pct(s['expected_gain'])} of step time"
+        gain = s.get("expected_gain")
+        if gain is not None:
+            out[f"{p}_expected_gain"] = (f"{fmt_pct(gain)} of step time" if isinstance(gain, (int, float))
+                                         else str(gain))
     return out
 
 

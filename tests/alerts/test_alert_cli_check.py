@@ -106,3 +106,18 @@ def test_the_alerts_cli_does_not_import_the_agent_config():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert node.module not in ("mfuwatch.agent.config", "mfuwatch.agent.core"), path
+
+
+def test_check_warns_about_a_placeholder_for_a_label_no_alert_has(tmp_path, capsys, monkeypatch):
+    """Finding 14: `summary: "{labels.nosuch}"` passed check and rendered empty."""
+    from mfuwatch.alerts.cli import main
+
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("rules:\n  MfuLow:\n    annotations:\n      summary: 'MFU low on {labels.rnk} / {labels.run} / "
+                   "{labels.team}'\n    labels: {team: ml}\n")
+    assert main(["check", "--config", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert "rules.MfuLow.annotations.summary: {labels.rnk} names a label no alert of this rule has (did you mean " \
+        "'rank'?)" in err
+    assert "{labels.run}" not in err and "{labels.team}" not in err  # a base label and the rule's own label

@@ -153,3 +153,16 @@ def test_config_dump_round_trips_through_load():
                        "silences": [{"matchers": ['rank="1"'], "until": "2030-01-01T00:00:00Z"}]})
     again = load_config(cfg.to_dict())
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_an_unknown_notifier_key_lists_only_that_types_keys():
+    """Finding 8: `routing_keyenv` on a pagerduty notifier listed every type's keys (smtp_host, stream, ...)."""
+    from mfuwatch.alerts.config import TYPE_KEYS, _COMMON_KEYS, parse_notifier
+
+    with pytest.raises(AlertConfigError) as err:
+        parse_notifier({"type": "pagerduty", "routing_keyenv": "X"}, "notifiers[0]", 1)
+    msg = str(err.value)
+    assert "did you mean 'routing_key_env'?" in msg
+    listed = set(msg.split("accepted keys: ")[1].split(", "))
+    assert listed == set(_COMMON_KEYS + TYPE_KEYS["pagerduty"])
+    assert not {"smtp_host", "stream", "api_key_env", "url_env"} & listed

@@ -63,7 +63,7 @@ def test_receiver_down_then_up_delivers_the_latest_state_of_the_group_once(monke
     assert counts[("webhook", "failed")] == 0 and counts[("webhook", "dropped")] == 0
 
 
-def test_distinct_groups_are_each_delivered_in_order_after_an_outage(monkeypatch):
+def test_distinct_groups_are_each_delivered_once_after_an_outage(monkeypatch):
     port = free_port()
     worker, _, counts = worker_for(f"http://127.0.0.1:{port}/hook", monkeypatch)
     worker.start()
@@ -73,7 +73,9 @@ def test_distinct_groups_are_each_delivered_in_order_after_an_outage(monkeypatch
     with AlertReceiver(port=port) as rx:
         assert rx.wait_for_delivered(3, timeout=20)
         assert worker.close(time.monotonic() + 5)
-        assert summaries(rx) == ["n0", "n1", "n2"]  # no group supersedes another
+        # no group supersedes another; their order may change: a group waiting for a retry is parked behind
+        # the others (no head-of-line blocking across groups, see test_alert_closing)
+        assert sorted(summaries(rx)) == ["n0", "n1", "n2"]
     assert counts[("webhook", "superseded")] == 0 and counts[("webhook", "sent")] == 3
 
 
@@ -104,7 +106,8 @@ def test_5xx_then_200_delivers_once_after_recovery(receiver, monkeypatch):
     assert worker.close(time.monotonic() + 5)
     assert [r.status for r in receiver.received] == [500, 502, 503, 200, 200, 200]
     assert summaries(receiver) == ["n0", "n1", "n2"]
-    assert [r.json["alerts"][0]["annotations"]["summary"] for r in receiver.received[:4]] == ["n0"] * 4
+    # each group is tried before any is retried: a group waiting for its retry does not hold the others back
+    assert [r.json["alerts"][0]["annotations"]["summary"] for r in receiver.received[:3]] == ["n0", "n1", "n2"]
     assert counts[("webhook", "sent")] == 3 and counts[("webhook", "retry")] == 3
 
 

@@ -206,3 +206,53 @@ def test_email_config_is_checked():
                          ({"password_env": "P"}, "both a username")):
         with pytest.raises(AlertConfigError, match=message):
             parse_notifier({**base, **bad}, "notifiers[0]", 10)
+
+
+def test_a_run_name_with_cr_lf_is_one_line_in_headers_and_the_mail_is_sent(monkeypatch, cert):
+    """Finding 17: test-notify --run $'evil\\r\\nBcc: attacker@example.org' made every e-mail fail to render
+    (0 of 4 sent); now the headers hold it on one line, no Bcc appears, and the message is delivered."""
+    from mfuwatch.alerts.model import Notification
+
+    evil = "evil\r\nBcc: attacker@example.org\r\nX-Injected: 1"
+    labels = {**stall_alert().labels, "run": evil}
+    ctl, handler = smtp_server(cert)
+    ctl.start()
+    try:
+        w, _, counts = mail_worker(monkeypatch, cert, ctl.port)
+        deliver(w, Notification({"run": evil}, (stall_alert(labels=labels),)))
+    finally:
+        ctl.stop()
+    assert counts["sent"] == 1 and counts["failed"] == 0
+    ((_, rcpt, msg),) = handler.messages
+    assert rcpt == ["oncall@example.org", "ml@example.org"]  # nobody added
+    assert msg["Bcc"] is None and msg["X-Injected"] is None
+    assert msg["Subject"] == "[FIRING] TrainingStalled · run evil Bcc: attacker@example.org X-Injected: 1"
+    assert "\r" not in msg["X-Mfuwatch-Group"] and "\n" not in msg["X-Mfuwatch-Group"]
+
+
+def test_test_notify_resolves_only_after_the_firing_test_was_delivered(monkeypatch, cert, tmp_path, capsys):
+    """Finding 7: one 451 made test-notify report `email: 1 of 2 test notifications delivered` (exit 1): the
+    resolved state, sent 10 ms behind, superseded the firing one being retried. Now the firing message is
+    delivered (after its retry) before the resolved one goes, and both arrive in that order."""
+    import yaml
+
+    from mfuwatch.alerts.cli import main
+
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    monkeypatch.setenv("MFUWATCH_TEST_SMTP_USER", USER)
+    monkeypatch.setenv("MFUWATCH_TEST_SMTP_PASSWORD", PASSWORD)
+    ctl, handler = smtp_server(cert)
+    handler.replies = ["451 4.3.0 try again later"]
+    ctl.start()
+    try:
+        cfg = tmp_path / "em.yaml"
+        cfg.write_text(yaml.safe_dump({"notifiers": [{
+            "type": "email", "smtp_host": "127.0.0.1", "smtp_port": ctl.port, "from": "mfuwatch@example.org",
+            "to": ["oncall@example.org"], "username_env": "MFUWATCH_TEST_SMTP_USER",
+            "password_env": "MFUWATCH_TEST_SMTP_PASSWORD", "ca_file": str(cert[0]), "backoff": "10ms",
+            "max_backoff": "100ms"}]}))
+        assert main(["test-notify", "--config", str(cfg), "--timeout", "20"]) == 0
+    finally:
+        ctl.stop()
+    assert "email: 2 of 2 test notifications delivered" in capsys.readouterr().out
+    assert [m["Subject"].split("]")[0] for _, _, m in handler.messages] == ["[FIRING", "[RESOLVED"]
