@@ -79,7 +79,9 @@ class ActivityAverager:
         covered = 0.0
         with self._lock:
             samples = list(self._samples)
-        for s0, s1, *values in samples:
+        for s0, s1, *values in reversed(samples):  # newest first: a report's span is the last few seconds
+            if s1 <= start:
+                break
             w = min(s1, end) - max(s0, start)
             if w <= 0:
                 continue

@@ -32,7 +32,8 @@ config; ``docs/fleet.md`` says which path raises which):
                                    (``agent.phase("eval")``, checkpoints) is open (:func:`stalled_seconds_expr`);
                                    the notification says how many steps it is behind and where its training
                                    thread waits, from the hang watchdog's ``mfuwatch_hang_info``
-``GoodputLow``                     job goodput below ``goodput_threshold`` for ``goodput_for``
+``GoodputLow``                     job goodput below ``goodput_threshold`` for ``goodput_for``, unless an agent phase
+                                   was open in the goodput window (a planned eval or checkpoint is not an incident)
 
 Every job and rank series ends one scrape interval after its exporter does (:func:`_live`).
 Rank alerts carry the ``host`` label (joined from ``mfuwatch_run_info``). The
@@ -179,7 +180,7 @@ def stalled_seconds_expr() -> str:
 
 def alerting_rules(c: FleetRuleConfig) -> list:
     """The fleet alerts."""
-    ratio, one_off, w = c.straggler_ratio, c.one_off_ratio, _d(c.window_seconds)
+    ratio, one_off, w, gw = c.straggler_ratio, c.one_off_ratio, _d(c.window_seconds), _d(c.goodput_window_seconds)
     chronic_expr = f"(rank:mfuwatch_step_time_vs_fastest:ratio > {ratio:g}) * {_HOST}"
     one_off_expr = (f"(max_over_time({M.LAST_STEP_DURATION_SECONDS}[{w}]) / on (job, run) "
                     f"group_left () min by (job, run) (rank:mfuwatch_step_seconds:mean) > {one_off:g}) "
@@ -234,14 +235,17 @@ def alerting_rules(c: FleetRuleConfig) -> list:
                             "rank is behind point at that rank. Counted from the later of the rank's last step and "
                             "the end of its last eval or checkpoint phase; not raised while a phase is open.",
              "runbook_url": f"{RUNBOOKS}/TrainingStalled.md"}},
-        {"alert": "GoodputLow", "expr": f"job:mfuwatch_goodput:ratio < {c.goodput_threshold:g}",
+        {"alert": "GoodputLow", "expr": f"job:mfuwatch_goodput:ratio < {c.goodput_threshold:g} unless on (job, run) "
+                                        f"(max by (job, run) (max_over_time({M.PHASE_IN_PROGRESS}[{gw}])) > 0)",
          "for": _d(c.goodput_for_seconds), "labels": {"severity": "warning"},
          "annotations": {
              "summary": "Goodput of run {{ $labels.run }} is {{ $value | humanizePercentage }}, below "
                         f"{c.goodput_threshold:.0%} for {_d(c.goodput_for_seconds)}",
              "description": "Productive step time over all wall time of the job's ranks (buckets in "
                             "mfuwatch_goodput_seconds_total: input_wait, warmup, checkpoint_save/load, eval, "
-                            "lost_progress). The goodput row of the Cross-rank dashboard shows which bucket grew.",
+                            "lost_progress). The goodput row of the Cross-rank dashboard shows which bucket grew. "
+                            f"Not raised while an agent phase (eval, checkpoint) of the job falls in the {gw} "
+                            "window: one planned eval or checkpoint is not an incident.",
              "runbook_url": f"{RUNBOOKS}/GoodputLow.md"}},
     ]
     for r in rules:

@@ -14,7 +14,6 @@ The store is fed on the training thread and the agent's threads: every
 from __future__ import annotations
 
 import collections
-import statistics
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
@@ -286,11 +285,34 @@ class MeasurementStore:
             return None
         hi = now - rule["offset"]
         lo = hi - rule["window"]
-        base = [v for t, v in self._mfu if lo < t <= hi]
-        if not base:
-            return None
-        median = statistics.median(base)
-        return None if median <= 0 else float(self.step.mfu) / median
+        median = _held_median(self._mfu, lo, hi)
+        return None if median is None or median <= 0 else float(self.step.mfu) / median
+
+
+def _held_median(history: Deque[Tuple[float, float]], lo: float, hi: float) -> Optional[float]:
+    """The median over time of a value held from each report to the next, over ``(lo, hi]``.
+
+    Each report's value counts for as long as it was the latest one inside the range, as Prometheus's
+    ``quantile_over_time`` over the scraped gauge weighs it (a scrape every interval reads the value held
+    then); a median over report counts weighs a slower phase of the run less, since it reports less often.
+    ``None`` when no report falls in the range.
+    """
+    held: List[Tuple[float, float]] = []  # (value, seconds)
+    items = list(history)
+    for i, (t, v) in enumerate(items):
+        end = items[i + 1][0] if i + 1 < len(items) else hi
+        w = min(end, hi) - max(t, lo)
+        if w > 0 and t <= hi:
+            held.append((v, w))
+    if not any(lo < t <= hi for t, _ in items) or not held:
+        return None
+    held.sort()
+    half, acc = sum(w for _, w in held) / 2.0, 0.0
+    for v, w in held:
+        acc += w
+        if acc >= half:
+            return v
+    return held[-1][0]
 
 
 def _sum_since(events: Deque[Tuple[float, int]], since: float) -> float:

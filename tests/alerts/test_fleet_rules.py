@@ -230,7 +230,8 @@ def _tests():
                     "description": "Productive step time over all wall time of the job's ranks (buckets in "
                                    "mfuwatch_goodput_seconds_total: input_wait, warmup, checkpoint_save/load, "
                                    "eval, lost_progress). The goodput row of the Cross-rank dashboard shows which "
-                                   "bucket grew.",
+                                   "bucket grew. Not raised while an agent phase (eval, checkpoint) of the job falls "
+                                   "in the 30m window: one planned eval or checkpoint is not an incident.",
                     "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/GoodputLow.md"}}]},
         ],
     }, _input_bound_test(), _phase_test(), _eval_barrier_test()]
