@@ -135,7 +135,6 @@ class _Process:
 
     def __init__(self, rank: int, world: int, clocks: "_Clocks", cfg, started: float) -> None:
         self.rank = rank
-        self.mono = clocks.mono
         self.run_info = RunInfo(run="r", rank=rank, world_size=world, host=f"gpu-node-{rank}", device=f"cuda:{rank}",
                                 gpu_name="NVIDIA H200", dtype="bf16", peak_flops_per_second=PEAK,
                                 peak_source="datasheet", flops_source="analytic", job="train")
@@ -144,7 +143,6 @@ class _Process:
         self.collector = MeasurementCollector(self.run_info)
         self.collector.stall_seconds = self.stall.seconds
         self.events: List[Tuple[float, str, str]] = []  # (scenario seconds, alertname, firing|resolved)
-        self._t = clocks
         self.engine = AlertEngine(cfg, run_info=self.run_info, clock=clocks.wall, monotonic=clocks.mono,
                                   stall_clock=self.stall,
                                   on_event=lambda rec: self.events.append((clocks.t, rec["alertname"],
@@ -446,6 +444,9 @@ def promtool_input(scs: Sequence[Dict[str, Any]], sims: Dict[str, Any],
             expr = (f'label_replace(label_replace({_ALERTS}, "scenario", "{sc["name"]}", "", ""), "check", '
                     f'"alerts", "", "")')
             checks.append({"expr": expr, "eval_time": f"{second}s", "exp_samples": []})
+        # proof that promtool loaded this scenario's series and ran its checks: every rank's run_info at 30 s
+        checks.append({"expr": f'label_replace(label_replace(count(mfuwatch_run_info), "scenario", "{sc["name"]}", '
+                               f'"", ""), "check", "sentinel", "", "")', "eval_time": f"{SCRAPE}s", "exp_samples": []})
         for i, s in enumerate(sc["series"]):
             expr = (f'label_replace(label_replace(round({s["expr"]}, 0.0001), "scenario", "{sc["name"]}", "", ""), '
                     f'"check", "series{i}", "", "")')
@@ -491,7 +492,7 @@ def run_promtool(scs: Sequence[Dict[str, Any]], sims: Dict[str, Any], promtool: 
         res = subprocess.run([promtool, "test", "rules", *names], cwd=d, capture_output=True, text=True,
                              timeout=600)
     text = res.stdout + res.stderr
-    if "FAILED" not in text and res.returncode != 0 or "error" in text.lower() and "FAILED" not in text:
+    if res.returncode != 0 and "FAILED:" not in text:
         raise RuntimeError(f"promtool failed: {text[-4000:]}")
     for m in _BLOCK.finditer(text):
         at = int(parse_duration(m.group(1), "promtool time"))
@@ -499,11 +500,17 @@ def run_promtool(scs: Sequence[Dict[str, Any]], sims: Dict[str, Any], promtool: 
             labels = dict(re.findall(r'(\w+)="([^"]*)"', lab))
             scen = out[labels.pop("scenario")]
             check = labels.pop("check")
-            if check == "alerts":
+            if check == "sentinel":
+                scen["sentinel"] = float(value)
+            elif check == "alerts":
                 key = (labels["alertname"], labels.get("rank", ""), labels.get("kind", ""))
                 scen["firing"].setdefault(key, []).append(at)
             else:
                 scen["series"][int(check[len("series"):])] = float(value)
+    for sc in scs:
+        if out[sc["name"]].get("sentinel") != float(sc.get("ranks", 1)):
+            raise RuntimeError(f"promtool did not run scenario {sc['name']} (its series did not load): "
+                               f"{text[-4000:]}")
     return out
 
 
