@@ -169,6 +169,9 @@ def stalled_seconds_expr() -> str:
     reads). A stepped system clock on the training host moves neither (``time() -`` a timestamp the agent
     stamped would: a -600 s step paged at once, a +600 s step hid a real stall for ten minutes).
 
+    A rank's own phase pauses only its own clock: a rank that waits in the next collective while rank 0
+    saves alone is stalled as far as its series tell (tests/incidents ``checkpoint_20m_torch_save``).
+
     Agents older than that series fall back to wall-clock timestamps: ``time()`` minus the later of
     ``mfuwatch_last_step_timestamp_seconds`` and ``mfuwatch_last_phase_end_timestamp_seconds`` (0 before
     the first phase), no series while ``mfuwatch_phase_in_progress`` is 1. Label sets match as scraped
@@ -255,9 +258,13 @@ def alerting_rules(c: FleetRuleConfig) -> list:
 
 
 def fleet_rules(config: FleetRuleConfig = FleetRuleConfig()) -> Dict[str, Any]:
-    """The rule file document: a recording group, then an alerting group that reads it."""
-    groups = [{"name": "mfuwatch-fleet-records", "rules": recording_rules(config)},
-              {"name": "mfuwatch-fleet-alerts", "rules": alerting_rules(config)}]
+    """The rule file document: one group, the recording rules first, then the alerts that read them.
+
+    One group because the rules of a group run in order at each evaluation, while groups run on timers of
+    their own: in two groups an alert read a recording one evaluation old or new at random (a page 30 s
+    apart from one replay to the next, tests/incidents).
+    """
+    groups = [{"name": "mfuwatch-fleet", "rules": recording_rules(config) + alerting_rules(config)}]
     if config.interval_seconds:
         for g in groups:
             g["interval"] = _d(config.interval_seconds)

@@ -628,9 +628,6 @@ def replay_all(promtool: str, scs: Optional[List[Dict[str, Any]]] = None) -> Lis
                 if path == "engine" and (key[2] or key[0] in PROMETHEUS_ONLY):
                     row["paths"][path] = {"na": "needs every rank's series"}
                     continue
-                if e is not None and key not in _expected_keys(e, path):
-                    row["paths"][path] = {"na": e.get("note") or "not on this path"}
-                    continue
                 row["paths"][path] = {"problems": problems.get(key, []), "runs": _episodes(pages.get(key, []))}
             rows.append(row)
         if not keys:
@@ -695,6 +692,12 @@ def table(rows: List[dict]) -> str:
             want = f"fires {_fmt(e['fires'][0])}–{_fmt(e['fires'][1])}, " + (
                 "still firing at the end" if e["resolves"] is None else
                 f"resolves {_fmt(e['resolves'][0])}–{_fmt(e['resolves'][1])}")
+            if e.get("paths") and len(e["paths"]) == 1 and e["alert"] not in PROMETHEUS_ONLY:
+                other = "Prometheus" if e["paths"] == ["engine"] else "the engine"
+                want += f" on the {'engine' if e['paths'] == ['engine'] else 'Prometheus'} path only, no page " \
+                        f"from {other}"
+            if e.get("note"):
+                want += f" ({e['note']})"
         lines.append(f"| {row['scenario']} | {_key(row['key'])} | {want} | {_cell(row['paths']['engine'])} | "
                      f"{_cell(row['paths']['prometheus'])} |")
     titles = []
