@@ -141,13 +141,20 @@ def test_for_cooldown_and_repeat_ignore_wall_clock_steps(run_info):
     assert [(a.name, a.status) for n in cap.sent for a in n.alerts] == [("MfuLow", "firing"), ("MfuLow", "resolved")]
 
 
-def test_the_resolved_text_quotes_the_resolving_value(run_info):
+def _firing_mfu_low(run_info, mfu):
+    """An engine whose MfuLow fires at ``mfu`` (10 min of it), and its clocks, capture and events."""
     c = Clocks()
     e, cap, events = build(MFU_LOW, run_info, c)
-    e.observe_step(step(0.1748))
+    e.observe_step(step(mfu))
     e.evaluate()
     c.advance(601.0)
     e.evaluate()
+    assert e.state("MfuLow") == "firing"
+    return c, e, cap, events
+
+
+def test_the_resolved_text_quotes_the_resolving_value(run_info):
+    c, e, cap, events = _firing_mfu_low(run_info, 0.1748)
     assert events[-1]["summary"] == "MFU is 17.48%, below 25% for 10m"
     e.observe_step(step(0.3125))
     c.advance(15.0)
@@ -162,12 +169,7 @@ def test_the_resolved_text_quotes_the_resolving_value(run_info):
 
 
 def test_a_resolve_because_the_data_ended_says_so(run_info):
-    c = Clocks()
-    e, cap, events = build(MFU_LOW, run_info, c)
-    e.observe_step(step(0.1))
-    e.evaluate()
-    c.advance(601.0)
-    e.evaluate()
+    c, e, cap, events = _firing_mfu_low(run_info, 0.1)
     e.store.step = None  # the measurement is gone (no peak any more)
     c.advance(15.0)
     e.evaluate()
