@@ -59,7 +59,7 @@ def test_the_corpus_covers_the_incidents_of_issue_24():
     assert {"healthy_2h", "eval_30m_phase", "checkpoint_20m_phase", "checkpoint_20m_torch_save",
             "eval_without_phase", "input_stall", "hang_in_collective", "sigterm_restart", "short_job",
             "ended_agent_open", "gpu_throttling", "mfu_regression_code_change", "slow_rank", "clock_steps",
-            "gap_2h_resume", "issue24_checkpoint", "stall_one_page"} <= names
+            "gap_2h_resume", "issue24_checkpoint", "stall_one_page", "low_goodput_clean_end"} <= names
     healthy = next(sc for sc in R.scenarios() if sc["name"] == "healthy_2h")
     assert healthy["duration"] == 7200 and healthy["expect"] == []
 
@@ -114,3 +114,13 @@ def test_gpu_samples_survive_a_backward_clock_step():
         a.add(GpuHealth(timestamp=400.0 + t, tensor_active=0.8, sm_clock_hertz=2.0, sm_clock_max_hertz=2.0))
     avg = a.average(402.0, 409.0)
     assert avg is not None and avg.tensor_active == pytest.approx(0.8) and avg.tensor_active_bound == pytest.approx(0.8)
+
+
+def test_job_series_read_over_their_whole_range_outlive_the_job(monkeypatch):
+    """Without the scrape gate (issue 24: GoodputLow 27.5 minutes after a clean end) the corpus sees it."""
+    from mfuwatch.alerts import fleet_rules
+
+    promtool = ensure_binary(("promtool",), "prometheus")
+    monkeypatch.setattr(fleet_rules, "_live", lambda expr, by: expr)
+    rows = R.replay_all(promtool, [sc for sc in R.scenarios() if sc["name"] == "low_goodput_clean_end"])
+    assert any("resolved late" in line and "GoodputLow" in line for line in R.failures(rows)), R.failures(rows)
