@@ -41,7 +41,6 @@ Scenario schema (durations as ``90s``/``5m``/``1h`` or seconds)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import subprocess
@@ -173,15 +172,6 @@ class _Clocks:
 
     def wall(self) -> float:
         return WALL0 + self.t + self.offset
-
-
-@dataclasses.dataclass
-class RankResult:
-    """What one rank's simulation produced."""
-
-    engine_firing: Dict[int, List[str]]  # check time -> firing alert names (engine path)
-    engine_events: List[Tuple[float, str, str]]
-    series: Dict[str, List[Optional[str]]]  # promtool series selector -> value per scrape ("stale", None)
 
 
 def simulate(sc: Dict[str, Any]) -> Tuple[Dict[Tuple[str, str, str], List[int]], Dict[Tuple[str, str, str], int],
