@@ -66,6 +66,7 @@ SCENARIOS = HERE / "scenarios"
 DOC = REPO / "docs" / "reliability.md"
 BEGIN, END = "<!-- incident-table:begin -->", "<!-- incident-table:end -->"
 
+PROCESSES = 2  # promtool processes run at once
 SCRAPE = 30  # seconds: scrape and rule evaluation interval of the Prometheus path, and the check interval
 WALL0 = 1_800_000_000.0  # the fake wall clock's start (unix seconds)
 PEAK = 1e15  # FLOP/s of one device
@@ -474,16 +475,37 @@ def run_promtool(scs: Sequence[Dict[str, Any]], sims: Dict[str, Any], promtool: 
                 (d / by_cfg[key][1]).write_text(render_fleet(**{k: _sec(v) for k, v in sc.get("fleet", {}).items()}),
                                                 encoding="utf-8")
             rules_files[sc["name"]] = by_cfg[key]
-        names = []
+        # the scenarios in PROCESSES promtool processes at once (CI has 2 cores), each over its share of the
+        # test groups, longest first onto the least loaded process
+        shares: List[List[Tuple[str, dict]]] = [[] for _ in range(PROCESSES)]
+        load = [0.0] * PROCESSES
         for rules, doc in promtool_input(scs, sims, rules_files).items():
-            name = f"test_{rules}"
-            (d / name).write_text(yaml.safe_dump(doc, sort_keys=False, width=1 << 30), encoding="utf-8")
-            names.append(name)
-        res = subprocess.run([promtool, "test", "rules", *names], cwd=d, capture_output=True, text=True,
-                             timeout=600)
-    text = res.stdout + res.stderr
-    if res.returncode != 0 and "FAILED:" not in text:
-        raise RuntimeError(f"promtool failed: {text[-4000:]}")
+            for test in sorted(doc["tests"], key=lambda t: -len(t["promql_expr_test"]) * len(t["input_series"])):
+                i = load.index(min(load))
+                load[i] += len(test["promql_expr_test"]) * len(test["input_series"])
+                shares[i].append((rules, {**doc, "tests": [test]}))
+        procs = []
+        for i, share in enumerate(shares):
+            names = []
+            for j, (rules, doc) in enumerate(share):
+                name = f"test_{i}_{j}_{rules}"
+                (d / name).write_text(yaml.safe_dump(doc, sort_keys=False, width=1 << 30), encoding="utf-8")
+                names.append(name)
+            if names:
+                procs.append(subprocess.Popen([promtool, "test", "rules", *names], cwd=d, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+        text = ""
+        for proc in procs:
+            try:
+                printed, _ = proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                for p in procs:  # none of them may outlive the replay
+                    p.kill()
+                    p.wait()
+                raise
+            if proc.returncode != 0 and "FAILED:" not in printed:
+                raise RuntimeError(f"promtool failed: {printed[-4000:]}")
+            text += printed
     for m in _BLOCK.finditer(text):
         at = int(parse_duration(m.group(1), "promtool time"))
         for lab, value in _SAMPLE.findall(m.group(2)):
