@@ -192,6 +192,13 @@ class AgentThread:
             self._choose_mfu_peak()
         peak = self._peak
         mfs = model_f / step_time if model_f else 0.0
+        activity = None
+        with self.errors.guard("nvml"):  # GPM over this report's timed steps, not the latest sample
+            fleet = self.fleet
+            activity = self.activity.for_report(
+                last.end_wall, acc.seconds, self._activity_since, bool(fleet and fleet.phase_in_progress),
+                fleet.last_phase_end_wall if fleet is not None else 0.0)
+        self._activity_since = last.end_wall
         m = StepMeasurement(
             step=last.last_step, steps=acc.steps, timestamp=last.end_wall, step_time_seconds=step_time,
             tokens=acc.tokens, tokens_per_second=tokens_per_step / step_time,
@@ -200,6 +207,9 @@ class AgentThread:
             hfu=(hw_f / step_time / peak) if (peak and hw_f) else None,
             loss=loss if (loss is None or math.isfinite(loss)) else None,
             tokens_per_step=tokens_per_step,
+            tensor_active=activity and activity.tensor_active,
+            tensor_active_bound=activity and activity.tensor_active_bound,
+            sm_active=activity and activity.sm_active, dram_active=activity and activity.dram_active,
         )
         if m.mfu is not None and m.mfu > 1.0 and not self._mfu_warned:
             self._mfu_warned = True
@@ -232,6 +242,8 @@ class AgentThread:
         emit_progress(progress_line(m, self.latest_window))
 
     def _on_gpu_sample(self, sample: GpuHealth) -> None:
+        with self.errors.guard("nvml"):
+            self.activity.add(sample)
         with self.errors.guard("exporter"):
             self.exporter.collector.update(gpu=sample)
         if self.alerts is not None:

@@ -31,6 +31,7 @@ from torch import nn
 
 from . import flops as flops_mod
 from . import peaks
+from .activity import ActivityAverager
 from .agent_thread import AgentThread
 from .config import AgentConfig, ConfigError, load_config  # noqa: F401  (ConfigError: raised by Agent())
 from .errors import ErrorCounter
@@ -106,6 +107,13 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self.gpu_peaks: Optional[peaks.Peaks] = None
 
         self.exporter = Exporter(self.run_info)
+        # judge (issue 24): one stall clock for both alert paths, GPM averaged per report interval
+        from mfuwatch.alerts.stall import StallClock  # no engine import: alerts may be off
+
+        self.stall_clock = StallClock()
+        self.activity = ActivityAverager()
+        self._activity_since: Optional[float] = None  # wall end of the previous report (agent/activity.py)
+        self.exporter.collector.stall_seconds = self.stall_clock.seconds
         self.registry = self.exporter.registry
         self.exporter.exposed_registry = job_labelled_view(self.exporter.exposed_registry, self.run_info.job)
         self._sd_target = None

@@ -43,6 +43,8 @@ class MeasurementCollector(Collector):
         self.step: Optional[StepMeasurement] = None
         self.window: Optional[WindowMeasurement] = None
         self.gpu: Optional[GpuHealth] = None
+        #: ``() -> seconds or None``: the stall clock (mfuwatch.alerts.stall.StallClock.seconds), read at scrape
+        self.stall_seconds: Optional[Callable[[], Optional[float]]] = None
 
     def update(self, *, step: Optional[StepMeasurement] = None, window: Optional[WindowMeasurement] = None,
                gpu: Optional[GpuHealth] = None) -> None:
@@ -90,6 +92,21 @@ class MeasurementCollector(Collector):
             yield self._gauge(M.TOKENS_PER_SECOND, "Training tokens per second", step.tokens_per_second)
             yield self._gauge(M.LAST_STEP_DURATION_SECONDS, "Mean optimizer-step time of the last report interval",
                               step.step_time_seconds)
+            for name, doc, value in (
+                    (M.INTERVAL_TENSOR_ACTIVE, "GPM tensor-core activity averaged over the last report interval's "
+                     "steps", step.tensor_active),
+                    (M.INTERVAL_TENSOR_ACTIVE_BOUND, "GPM tensor activity x SM clock / max SM clock averaged over "
+                     "the last report interval's steps (MFU cannot exceed it)", step.tensor_active_bound),
+                    (M.INTERVAL_SM_ACTIVE, "GPM SM activity averaged over the last report interval's steps",
+                     step.sm_active),
+                    (M.INTERVAL_DRAM_ACTIVE, "GPM DRAM activity averaged over the last report interval's steps",
+                     step.dram_active)):
+                if value is not None:
+                    yield self._gauge(name, doc, value)
+        stall = self.stall_seconds() if self.stall_seconds is not None else None
+        if stall is not None:
+            yield self._gauge(M.STALL_SECONDS, "Seconds since the last optimizer step or agent phase end "
+                              "(monotonic clock; absent while a phase is open)", stall)
         # the step hook's per-step time; a report's (its last step's end) where no hook feeds the collector
         last = self.last_step_wall
         if step is not None and (last is None or step.timestamp > last):

@@ -158,7 +158,7 @@ class FleetAccounting:
         self.straggler = StragglerScore()
         lab = ["run", "rank"]
         reg = agent.registry
-        self.model_flops = Counter(M.MODEL_FLOPS_TOTAL.removesuffix("_total"), "Model FLOPs of the measured "
+        self.model_flops = Counter(M.MODEL_FLOPS_TOTAL.removesuffix("_total"), "Model FLOPs of the timed "
                                    "optimizer steps (no recomputation)", lab, registry=reg)
         self.hardware_flops = Counter(M.HARDWARE_FLOPS_TOTAL.removesuffix("_total"), "Executed FLOPs of the "
                                       "measured optimizer steps (recomputation included)", lab, registry=reg)
@@ -253,9 +253,7 @@ class FleetAccounting:
             self.goodput.enter(bucket)
             if self.watchdog is not None:
                 self.watchdog.pause()
-            store = getattr(getattr(self.agent, "alerts", None), "store", None)
-            if store is not None and hasattr(store, "pause_stall"):
-                store.pause_stall()
+            self._stall_target("pause")
             self._open.append((name, bucket, time.perf_counter()))
         except Exception as exc:  # noqa: BLE001
             self.errors.count("phase", exc)
@@ -286,9 +284,7 @@ class FleetAccounting:
             state = self.goodput.exit()
             if self.watchdog is not None:
                 self.watchdog.resume()
-            store = getattr(getattr(self.agent, "alerts", None), "store", None)
-            if store is not None and hasattr(store, "resume_stall"):
-                store.resume_stall()
+            self._stall_target("resume")
             if state == "between" and not opened:
                 self.agent.mark_gap()  # the next step is timed from here: the phase stays out of step time
             rec = {"kind": "phase", "name": pname, "bucket": bucket, "step": int(getattr(self.agent, "_step", 0)),
@@ -299,6 +295,16 @@ class FleetAccounting:
                              "source": pname, "timestamp": rec["timestamp"]})
         except Exception as exc:  # noqa: BLE001
             self.errors.count("phase", exc)
+
+    def _stall_target(self, what: str) -> None:
+        """Pause or resume the stall clock: the agent's (both alert paths share it), else the engine's store."""
+        clock = getattr(self.agent, "stall_clock", None)
+        if clock is not None:
+            getattr(clock, what)()
+            return
+        store = getattr(getattr(self.agent, "alerts", None), "store", None)
+        if store is not None and hasattr(store, f"{what}_stall"):
+            getattr(store, f"{what}_stall")()
 
     def open_phase(self) -> Optional[str]:
         """The name of the innermost open phase, or ``None``."""
@@ -341,13 +347,14 @@ class FleetAccounting:
                     alerts.stall_probe = self.stall_context
             if steps <= 0:
                 return
+            if not (seconds == seconds and seconds > 0):  # NaN: the untimed first step
+                return  # its FLOPs too stay out: the job MFU is FLOPs over the step time that did them
             model, hw = flops_per_step(tokens / steps)
             if model:
                 self.model_flops.labels(*self._base).inc(model * steps)
                 self.hardware_flops.labels(*self._base).inc((hw or model) * steps)
-            if seconds == seconds and seconds > 0:  # not NaN
-                self.step_seconds.labels(*self._base).inc(seconds)
-                self.straggler.observe(seconds / steps, steps)
+            self.step_seconds.labels(*self._base).inc(seconds)
+            self.straggler.observe(seconds / steps, steps)
         except Exception as exc:  # noqa: BLE001
             self.errors.count("goodput", exc)
 

@@ -201,6 +201,7 @@ class TrainingHooks:
             self.flop_model.on_step_end(tokens)  # never raises; always leaves FlopCounterMode
             # the boundary's own wall-clock stamp: mfuwatch_last_step_timestamp_seconds moves per step, not per report
             self.exporter.collector.last_step_wall = self.clock.mark(self._step, int(tokens or 0), loss)
+            self.stall_clock.step()  # both alert paths' stall clock (monotonic): a step ended now
             if self.fleet is not None:
                 self.fleet.boundary(self._step)  # fleet: goodput bucket of the step, hang watchdog
             prof = self.profiler

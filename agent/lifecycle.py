@@ -164,7 +164,8 @@ class Lifecycle:
 
             alerts_cfg = None if self.config.alerts in (None, True) else self.config.alerts
             self.alerts = AlertEngine.from_config(alerts_cfg, run_info=self.run_info, registry=self.registry,
-                                                  on_event=self._write, on_error=self.errors.count)
+                                                  on_event=self._write, on_error=self.errors.count,
+                                                  stall_clock=self.stall_clock)
             self.alerts.start()
         except (ValueError, TypeError) as exc:
             if type(exc).__name__ == "AlertConfigError":

@@ -50,6 +50,14 @@ class M:
     STEPS_TOTAL = PREFIX + "steps_total"
     TOKENS_TOTAL = PREFIX + "tokens_total"
     LAST_STEP_TIMESTAMP_SECONDS = PREFIX + "last_step_timestamp_seconds"
+    # seconds since the last step or agent phase end on the agent's monotonic clock; absent while a phase is
+    # open and before the first step (the TrainingStalled value of both alert paths, alerts/stall.py)
+    STALL_SECONDS = PREFIX + "stall_seconds"
+    # NVML GPM ratios averaged over the last report interval's timed steps (the MFU cross-check's other side)
+    INTERVAL_TENSOR_ACTIVE = PREFIX + "interval_tensor_active_ratio"
+    INTERVAL_TENSOR_ACTIVE_BOUND = PREFIX + "interval_tensor_active_bound_ratio"
+    INTERVAL_SM_ACTIVE = PREFIX + "interval_sm_active_ratio"
+    INTERVAL_DRAM_ACTIVE = PREFIX + "interval_dram_active_ratio"
     # profiler windows
     GPU_TIME_SHARE = PREFIX + "gpu_time_share_ratio"  # {category}
     MEMORY_BOUND_SHARE = PREFIX + "memory_bound_share_ratio"
@@ -166,6 +174,13 @@ class StepMeasurement:
     hfu: Optional[float] = None
     loss: Optional[float] = None  # the last step's loss when known (record_loss / step(loss=)), else None
     tokens_per_step: Optional[float] = None  # mean tokens of one optimizer step: per step, like model_flops
+    # NVML GPM ratios (0..1) averaged over this interval's timed steps (agent/activity.py); None without GPM,
+    # or when an agent phase fell in the interval: the cross-check compares MFU with these, never with the
+    # latest sample
+    tensor_active: Optional[float] = None
+    tensor_active_bound: Optional[float] = None  # tensor_active x SM clock / max SM clock
+    sm_active: Optional[float] = None
+    dram_active: Optional[float] = None
 
 
 @dataclass

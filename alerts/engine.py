@@ -45,11 +45,13 @@ from .config import AlertConfig, load_config
 from .model import AlertSnapshot, Notification
 from .notifiers import build_notifier
 from .notifiers.base import OUTCOMES, NotifierWorker
+from .notifiers.console import format_number
 from .rules import Rule
 from .secrets import SecretError
 from .signals import MeasurementStore, hang_context, memory_bound_ops, suggestion_rows
+from .stall import StallClock
 from .templates import fmt_pct
-from .validation import AlertConfigError
+from .validation import AlertConfigError, format_duration
 
 log = logging.getLogger("mfuwatch.alerts")
 
@@ -81,9 +83,14 @@ class _GroupState:
 class AlertEngine:
     """Evaluates alert rules over the agent's measurements and sends notifications.
 
-    Build it with :meth:`from_config`. ``clock`` (unix seconds, default
-    ``time.time``) drives ``for``, cool-down and repeat timing and can be a fake
-    clock in tests. Metrics go to ``registry`` (a private one when ``None``):
+    Build it with :meth:`from_config`. Two clocks: ``monotonic`` (seconds, default
+    ``time.monotonic``) times every duration — ``for``, cool-down, repeat, the
+    stall and the look-back windows — so a stepped system clock neither pages nor
+    hides a page; ``clock`` (unix seconds, default ``time.time``) only stamps
+    records and notifications (``starts_at``/``ends_at``) and matches silences. A
+    test that passes only ``clock`` gets it for both. ``stall_clock`` is the
+    :class:`~mfuwatch.alerts.stall.StallClock` the agent's step hook feeds (a
+    private one, fed by step reports, when ``None``). Metrics go to ``registry`` (a private one when ``None``):
     ``mfuwatch_alerts_firing{run,rank,alertname,severity}`` and
     ``mfuwatch_notifications_total{run,rank,sink,outcome}``.
 
@@ -98,14 +105,16 @@ class AlertEngine:
 
     def __init__(self, config: AlertConfig, *, run_info: RunInfo, registry: Optional[CollectorRegistry] = None,
                  on_event: Optional[Callable[[dict], None]] = None, clock: Optional[Callable[[], float]] = None,
-                 on_error: Optional[Callable[[str, BaseException], None]] = None):
+                 on_error: Optional[Callable[[str, BaseException], None]] = None,
+                 monotonic: Optional[Callable[[], float]] = None, stall_clock: Optional[StallClock] = None):
         self.config = config
         self._on_error = on_error
         self._err_lock = threading.Lock()
         self.run_info = run_info
-        self._clock = clock or time.time
+        self._clock = clock or time.time  # wall: timestamps only
+        self._mono = monotonic or clock or time.monotonic  # every duration
         self._on_event = on_event
-        self.store = MeasurementStore(self._clock)
+        self.store = MeasurementStore(self._mono, stall_clock)
         self._lock = threading.RLock()
         self._errors = 0
         self._logged: set = set()
@@ -150,7 +159,9 @@ class AlertEngine:
     def from_config(cls, config: Union[dict, str, Path, AlertConfig, None], *, run_info: RunInfo,
                     registry: Optional[CollectorRegistry] = None, on_event: Optional[Callable[[dict], None]] = None,
                     clock: Optional[Callable[[], float]] = None,
-                    on_error: Optional[Callable[[str, BaseException], None]] = None) -> "AlertEngine":
+                    on_error: Optional[Callable[[str, BaseException], None]] = None,
+                    monotonic: Optional[Callable[[], float]] = None,
+                    stall_clock: Optional[StallClock] = None) -> "AlertEngine":
         """Validate ``config`` (dict, YAML path, ``None`` = shipped defaults with a console notifier) and build.
 
         ``on_event(record)`` receives the timeline record of every firing/resolved
@@ -160,7 +171,8 @@ class AlertEngine:
         invalid config or a notifier secret that cannot be read.
         """
         cfg = config if isinstance(config, AlertConfig) else load_config(config)
-        return cls(cfg, run_info=run_info, registry=registry, on_event=on_event, clock=clock, on_error=on_error)
+        return cls(cfg, run_info=run_info, registry=registry, on_event=on_event, clock=clock, on_error=on_error,
+                   monotonic=monotonic, stall_clock=stall_clock)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "AlertEngine":
@@ -213,21 +225,22 @@ class AlertEngine:
 
     def _end_run(self) -> None:
         """Resolve every firing alert with ``resolved_reason: run ended`` and dispatch the resolved messages."""
-        now = self._clock()
+        now = self._mono()
+        wall = self._wall(now)
         events: List[dict] = []
         with self._lock:
             for st in self._states.values():
                 if st.state == "pending":
                     st.state, st.active_since = "inactive", None
                 elif st.state == "firing":
-                    st.state, st.resolved_at = "inactive", now
+                    st.state, st.resolved_at = "inactive", wall
                     st.resolved_pending = st.notified
                     st.annotations = {**st.annotations, "resolved_reason": "run ended"}
-                    record = self._transition(st, "resolved", now)
+                    record = self._transition(st, "resolved", wall)
                     record["reason"] = "run ended"
                     events.append(record)
             if self.notifying and self.workers:
-                self._dispatch(now)
+                self._dispatch(now, wall)
         self._emit(events)
 
     def _emit(self, events: List[Dict[str, Any]]) -> None:
@@ -286,9 +299,15 @@ class AlertEngine:
         """``inactive``, ``pending`` or ``firing`` (``KeyError`` for a rule the engine does not evaluate)."""
         return self._states[alertname].state
 
+    def _wall(self, now: float) -> float:
+        """Unix time for a record stamped at monotonic ``now`` (``now`` itself for a one-clock test engine)."""
+        return now if self._mono is self._clock else self._clock()
+
     def evaluate(self, now: Optional[float] = None, *, rules: Optional[List[Rule]] = None) -> None:
-        """Evaluate ``rules`` (all in-process rules by default) at ``now`` and queue due notifications."""
-        now = self._clock() if now is None else now
+        """Evaluate ``rules`` (all in-process rules by default) at monotonic ``now`` (default the engine's
+        monotonic clock) and queue due notifications; records are stamped with the wall clock."""
+        now = self._mono() if now is None else now
+        wall = self._wall(now)
         rules = (self._eval_rules + self._watch_rules) if rules is None else rules
         events: List[dict] = []
         with self._lock:
@@ -306,20 +325,21 @@ class AlertEngine:
                     if st.state == "inactive":
                         st.state, st.active_since = "pending", now
                     if st.state == "pending" and now - st.active_since >= rule.for_seconds:
-                        st.state, st.fired_at, st.notified = "firing", now, False
+                        st.state, st.fired_at, st.notified = "firing", wall, False
                         st.context = {}  # a new episode: a stall's stack is taken again
                         self._render(st, window)
-                        events.append(self._transition(st, "firing", now))
+                        events.append(self._transition(st, "firing", wall))
                     elif st.state == "firing":
                         self._render(st, window)
                 elif st.state == "pending":
                     st.state, st.active_since = "inactive", None
                 elif st.state == "firing":
-                    st.state, st.resolved_at = "inactive", now
+                    st.state, st.resolved_at = "inactive", wall
                     st.resolved_pending = st.notified
-                    events.append(self._transition(st, "resolved", now))
+                    self._resolved_text(st, value)  # the resolving value, not the firing one
+                    events.append(self._transition(st, "resolved", wall))
             if self.notifying and self.workers:
-                self._dispatch(now)
+                self._dispatch(now, wall)
         self._emit(events)
 
     def _loop(self, interval: float, rules: List[Rule]) -> None:
@@ -341,6 +361,29 @@ class AlertEngine:
         self._firing.labels(self.run_info.run, str(self.run_info.rank), st.rule.name,
                             st.rule.severity).set(1 if status == "firing" else 0)
         return self._snapshot(st, status).record(now)
+
+    def _resolved_text(self, st: _AlertState, value: Optional[float]) -> None:
+        """The annotations of a resolved alert (caller holds the lock): ``summary`` quotes the value that
+        resolved it (``None``: its data ended), ``firing_summary`` keeps the last firing text."""
+        try:
+            rule, lab = st.rule, st.labels
+            unit = rule.signal.unit
+            where = f"run {lab.get('run', '')} rank {lab.get('rank', '')}"
+            if value is None:
+                now = "no data any more (the series ended)"
+            else:
+                now = f"now {format_number(value, unit)}"
+            fired = st.annotations.get("summary")
+            st.value = value
+            st.annotations = {**st.annotations,
+                              "summary": f"Resolved: {rule.name} on {where}: {now}; it fires at {rule.op} "
+                                         f"{format_number(rule.threshold, unit)}"
+                                         + (f" for {format_duration(rule.for_seconds)}" if rule.for_seconds else ""),
+                              "resolved_value": "" if value is None else format_number(value, unit)}
+            if fired:
+                st.annotations["firing_summary"] = fired
+        except Exception as exc:  # noqa: BLE001 - a resolved message must go out even without its text
+            self._error("render", exc)
 
     def _render(self, st: _AlertState, window) -> None:
         """Refresh the annotations and context of a firing alert from its value and the latest window."""
@@ -398,19 +441,20 @@ class AlertEngine:
             st.annotations["stack"] = "\n".join(hang["frames"])
 
     # -- notification policy --------------------------------------------------------------------
-    def _muted(self, st: _AlertState, now: float, firing: List[Mapping[str, str]]) -> bool:
-        if any(s.active(st.labels, now) for s in self.config.silences):
+    def _muted(self, st: _AlertState, wall: float, firing: List[Mapping[str, str]]) -> bool:
+        if any(s.active(st.labels, wall) for s in self.config.silences):
             return True
         return any(i.inhibits(st.labels, firing) for i in self.config.inhibit_rules)
 
-    def _dispatch(self, now: float) -> None:
+    def _dispatch(self, now: float, wall: float) -> None:
+        """Queue due notifications: ``now`` (monotonic) times cool-down and repeat, ``wall`` matches silences."""
         firing = [st.labels for st in self._states.values() if st.state == "firing"]
         groups: Dict[Tuple[str, ...], List[_AlertState]] = {}
         for st in self._states.values():
             groups.setdefault(tuple(st.labels.get(k, "") for k in self.config.group_by), []).append(st)
         for key, members in groups.items():
             g = self._groups.setdefault(key, _GroupState())
-            notifiable = [st for st in members if st.state == "firing" and not self._muted(st, now, firing)
+            notifiable = [st for st in members if st.state == "firing" and not self._muted(st, wall, firing)
                           and not (st.resolved_notified_at is not None
                                    and now - st.resolved_notified_at < st.rule.cooldown_seconds)]
             resolved = [st for st in members if st.resolved_pending]

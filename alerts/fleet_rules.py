@@ -8,9 +8,9 @@ so it holds for any number of ranks, and keeps the labels ``job`` and ``run``
 
 Recorded series (``level:metric:operation``; names do not carry the window):
 
-``job:mfuwatch_mfu:ratio``                   sum(rate(model_flops_total)) / sum(peak_flops_per_second)
+``job:mfuwatch_mfu:ratio``                   sum(rate(model_flops_total)) / sum(rate(step_seconds_total) x peak)
 ``job:mfuwatch_hfu:ratio``                   the same with hardware FLOPs
-``job:mfuwatch_tokens_total:rate``           job tokens/s
+``job:mfuwatch_tokens_total:rate``           job tokens/s (sum of the ranks' tokens per device-second)
 ``rank:mfuwatch_step_seconds:mean``          a rank's mean step time over the window (device-timed steps)
 ``rank:mfuwatch_step_time_vs_fastest:ratio`` that, over the fastest rank's (1 = the fastest)
 ``rank:mfuwatch_steps_behind_leader:count``  steps the rank is behind the job's most advanced rank
@@ -32,8 +32,10 @@ config; ``docs/fleet.md`` says which path raises which):
                                    (``agent.phase("eval")``, checkpoints) is open (:func:`stalled_seconds_expr`);
                                    the notification says how many steps it is behind and where its training
                                    thread waits, from the hang watchdog's ``mfuwatch_hang_info``
-``GoodputLow``                     job goodput below ``goodput_threshold`` for ``goodput_for``
+``GoodputLow``                     job goodput below ``goodput_threshold`` for ``goodput_for``, unless an agent phase
+                                   was open in the goodput window (a planned eval or checkpoint is not an incident)
 
+Every job and rank series ends one scrape interval after its exporter does (:func:`_live`).
 Rank alerts carry the ``host`` label (joined from ``mfuwatch_run_info``). The
 shipped file is ``grafana/prometheus/rules/mfuwatch-fleet.rules.yml``.
 """
@@ -80,21 +82,43 @@ def _d(seconds: float) -> str:
     return format_duration(seconds)
 
 
+def _live(expr: str, by: str) -> str:
+    """``expr`` only for the label sets (``by``) whose exporter is still scraped.
+
+    A range selector keeps a finished job's samples for the whole range (``rate(x[30m])`` went on for 30
+    minutes after a clean end: GoodputLow fired 27.5 minutes after the targets were gone); an instant
+    selector honours the staleness marker written at the first failed scrape, so the job series end one
+    scrape interval after the job.
+    """
+    return f"({expr}) and on ({by}) group by ({by}) ({M.STEPS_TOTAL})"
+
+
 def recording_rules(c: FleetRuleConfig) -> list:
-    """The recording rules, in evaluation order (later rules read earlier ones)."""
+    """The recording rules, in evaluation order (later rules read earlier ones).
+
+    Job and rank figures are ratios of two ``rate()`` over the same range (FLOPs over the step time that
+    did them, productive over all seconds): ``rate()`` divides by the whole range even when the series is
+    younger than it (``rate(x[5m])`` of a 30-s-old counter is a tenth of the true rate), and a ratio of two
+    rates over one range cancels that, so a job's figures agree with its ranks' from the first minute.
+    MFU and tokens/s are per device-second of the timed steps, as each rank's ``mfuwatch_mfu_ratio`` is.
+    """
     w, gw = _d(c.window_seconds), _d(c.goodput_window_seconds)
     gp = M.GOODPUT_SECONDS_TOTAL
+    job, rank = "job, run", "job, run, rank"
     # ranks with no step in the window (stopped) have no mean rather than NaN
     mean = (f"sum by (job, run, rank) (rate({M.STEP_DURATION_SECONDS}_sum[{w}])) / "
             f"sum by (job, run, rank) (rate({M.STEP_DURATION_SECONDS}_count[{w}]) > 0)")
+    # device-seconds x peak FLOP/s of each rank: the FLOPs its timed steps could have done
+    capacity = f"sum by (job, run) (rate({M.STEP_SECONDS_TOTAL}[{w}]) * {M.PEAK_FLOPS_PER_SECOND})"
     return [
         {"record": "job:mfuwatch_mfu:ratio",
-         "expr": f"sum by (job, run) (rate({M.MODEL_FLOPS_TOTAL}[{w}])) / sum by (job, run) ({M.PEAK_FLOPS_PER_SECOND})"},
+         "expr": _live(f"sum by (job, run) (rate({M.MODEL_FLOPS_TOTAL}[{w}])) / ({capacity} > 0)", job)},
         {"record": "job:mfuwatch_hfu:ratio",
-         "expr": f"sum by (job, run) (rate({M.HARDWARE_FLOPS_TOTAL}[{w}])) / sum by (job, run) "
-                 f"({M.PEAK_FLOPS_PER_SECOND})"},
-        {"record": "job:mfuwatch_tokens_total:rate", "expr": f"sum by (job, run) (rate({M.TOKENS_TOTAL}[{w}]))"},
-        {"record": "rank:mfuwatch_step_seconds:mean", "expr": mean},
+         "expr": _live(f"sum by (job, run) (rate({M.HARDWARE_FLOPS_TOTAL}[{w}])) / ({capacity} > 0)", job)},
+        {"record": "job:mfuwatch_tokens_total:rate",
+         "expr": _live(f"sum by (job, run) (rate({M.TOKENS_TOTAL}[{w}]) / (rate({M.STEP_SECONDS_TOTAL}[{w}]) > 0))",
+                       job)},
+        {"record": "rank:mfuwatch_step_seconds:mean", "expr": _live(mean, rank)},
         {"record": "rank:mfuwatch_step_time_vs_fastest:ratio",
          "expr": "rank:mfuwatch_step_seconds:mean / on (job, run) group_left () "
                  "min by (job, run) (rank:mfuwatch_step_seconds:mean)"},
@@ -103,14 +127,16 @@ def recording_rules(c: FleetRuleConfig) -> list:
                  f"sum by (job, run, rank) ({M.STEPS_TOTAL})"},
         # the rank's wall time waiting for its next batch (goodput bucket input_wait) over all its wall time
         {"record": "rank:mfuwatch_input_wait:ratio",
-         "expr": f'sum by (job, run, rank) (rate({gp}{{bucket="input_wait"}}[{w}])) / '
-                 f"sum by (job, run, rank) (rate({gp}[{w}]) > 0)"},
+         "expr": _live(f'sum by (job, run, rank) (rate({gp}{{bucket="input_wait"}}[{w}])) / '
+                       f"sum by (job, run, rank) (rate({gp}[{w}]) > 0)", rank)},
         {"record": "rank:mfuwatch_goodput:ratio",
-         "expr": f'sum by (job, run, rank) (rate({gp}{{bucket="productive"}}[{gw}])) / '
-                 f"sum by (job, run, rank) (rate({gp}[{gw}]))"},
+         "expr": _live(f'sum by (job, run, rank) (rate({gp}{{bucket="productive"}}[{gw}])) / '
+                       f"sum by (job, run, rank) (rate({gp}[{gw}]) > 0)", rank)},
         {"record": "job:mfuwatch_goodput:ratio",
-         "expr": f'sum by (job, run) (rate({gp}{{bucket="productive"}}[{gw}])) / sum by (job, run) (rate({gp}[{gw}]))'},
-        {"record": "job:mfuwatch_goodput_seconds:rate", "expr": f"sum by (job, run, bucket) (rate({gp}[{gw}]))"},
+         "expr": _live(f'sum by (job, run) (rate({gp}{{bucket="productive"}}[{gw}])) / '
+                       f"sum by (job, run) (rate({gp}[{gw}]) > 0)", job)},
+        {"record": "job:mfuwatch_goodput_seconds:rate",
+         "expr": _live(f"sum by (job, run, bucket) (rate({gp}[{gw}]))", job)},
     ]
 
 
@@ -137,21 +163,27 @@ def _input_min(window: str) -> str:
 def stalled_seconds_expr() -> str:
     """PromQL: seconds each rank has been without progress, and no series while one of its phases is open.
 
-    Progress is the later of ``mfuwatch_last_step_timestamp_seconds`` (a step ended) and
-    ``mfuwatch_last_phase_end_timestamp_seconds`` (an ``agent.phase()`` block ended: the stall clock
-    restarts there, as the in-process engine's does; 0 before the first phase); ranks with
-    ``mfuwatch_phase_in_progress`` 1 have no series (a long eval or checkpoint is not a stall). A rank
-    without a step yet has no series; an agent too old to export the phase series is timed from its last
-    step alone.
-    Label sets match as scraped (the three series come from the same exporter).
+    The value is the agent's own ``mfuwatch_stall_seconds``: seconds since the later of its last step's
+    end and its last ``agent.phase()`` end on the agent's monotonic clock, absent while a phase is open and
+    before the first step (:class:`~mfuwatch.alerts.stall.StallClock`, the clock the in-process engine
+    reads). A stepped system clock on the training host moves neither (``time() -`` a timestamp the agent
+    stamped would: a -600 s step paged at once, a +600 s step hid a real stall for ten minutes).
+
+    A rank's own phase pauses only its own clock: a rank that waits in the next collective while rank 0
+    saves alone is stalled as far as its series tell (tests/incidents ``checkpoint_20m_torch_save``).
+
+    Agents older than that series fall back to wall-clock timestamps: ``time()`` minus the later of
+    ``mfuwatch_last_step_timestamp_seconds`` and ``mfuwatch_last_phase_end_timestamp_seconds`` (0 before
+    the first phase), no series while ``mfuwatch_phase_in_progress`` is 1. Label sets match as scraped
+    (the series come from the same exporter).
     """
     step, end, busy = M.LAST_STEP_TIMESTAMP_SECONDS, M.LAST_PHASE_END_TIMESTAMP_SECONDS, M.PHASE_IN_PROGRESS
-    return f"(time() - ({end} > {step} or {step}) unless {busy} > 0)"
+    return f"({M.STALL_SECONDS} or (time() - ({end} > {step} or {step}) unless {busy} > 0))"
 
 
 def alerting_rules(c: FleetRuleConfig) -> list:
     """The fleet alerts."""
-    ratio, one_off, w = c.straggler_ratio, c.one_off_ratio, _d(c.window_seconds)
+    ratio, one_off, w, gw = c.straggler_ratio, c.one_off_ratio, _d(c.window_seconds), _d(c.goodput_window_seconds)
     chronic_expr = f"(rank:mfuwatch_step_time_vs_fastest:ratio > {ratio:g}) * {_HOST}"
     one_off_expr = (f"(max_over_time({M.LAST_STEP_DURATION_SECONDS}[{w}]) / on (job, run) "
                     f"group_left () min by (job, run) (rank:mfuwatch_step_seconds:mean) > {one_off:g}) "
@@ -206,14 +238,17 @@ def alerting_rules(c: FleetRuleConfig) -> list:
                             "rank is behind point at that rank. Counted from the later of the rank's last step and "
                             "the end of its last eval or checkpoint phase; not raised while a phase is open.",
              "runbook_url": f"{RUNBOOKS}/TrainingStalled.md"}},
-        {"alert": "GoodputLow", "expr": f"job:mfuwatch_goodput:ratio < {c.goodput_threshold:g}",
+        {"alert": "GoodputLow", "expr": f"job:mfuwatch_goodput:ratio < {c.goodput_threshold:g} unless on (job, run) "
+                                        f"(max by (job, run) (max_over_time({M.PHASE_IN_PROGRESS}[{gw}])) > 0)",
          "for": _d(c.goodput_for_seconds), "labels": {"severity": "warning"},
          "annotations": {
              "summary": "Goodput of run {{ $labels.run }} is {{ $value | humanizePercentage }}, below "
                         f"{c.goodput_threshold:.0%} for {_d(c.goodput_for_seconds)}",
              "description": "Productive step time over all wall time of the job's ranks (buckets in "
                             "mfuwatch_goodput_seconds_total: input_wait, warmup, checkpoint_save/load, eval, "
-                            "lost_progress). The goodput row of the Cross-rank dashboard shows which bucket grew.",
+                            "lost_progress). The goodput row of the Cross-rank dashboard shows which bucket grew. "
+                            f"Not raised while an agent phase (eval, checkpoint) of the job falls in the {gw} "
+                            "window: one planned eval or checkpoint is not an incident.",
              "runbook_url": f"{RUNBOOKS}/GoodputLow.md"}},
     ]
     for r in rules:
@@ -223,9 +258,13 @@ def alerting_rules(c: FleetRuleConfig) -> list:
 
 
 def fleet_rules(config: FleetRuleConfig = FleetRuleConfig()) -> Dict[str, Any]:
-    """The rule file document: a recording group, then an alerting group that reads it."""
-    groups = [{"name": "mfuwatch-fleet-records", "rules": recording_rules(config)},
-              {"name": "mfuwatch-fleet-alerts", "rules": alerting_rules(config)}]
+    """The rule file document: one group, the recording rules first, then the alerts that read them.
+
+    One group because the rules of a group run in order at each evaluation, while groups run on timers of
+    their own: in two groups an alert read a recording one evaluation old or new at random (a page 30 s
+    apart from one replay to the next, tests/incidents).
+    """
+    groups = [{"name": "mfuwatch-fleet", "rules": recording_rules(config) + alerting_rules(config)}]
     if config.interval_seconds:
         for g in groups:
             g["interval"] = _d(config.interval_seconds)

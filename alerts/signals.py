@@ -14,7 +14,6 @@ The store is fed on the training thread and the agent's threads: every
 from __future__ import annotations
 
 import collections
-import statistics
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
@@ -22,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 from mfuwatch.agent.schema import M, GpuHealth, StepMeasurement, WindowMeasurement
 
 from .fleet_rules import stalled_seconds_expr
+from .stall import StallClock
 from .validation import format_duration
 
 #: NVML clock-event reasons that mean the GPU slowed itself down (thermal, power brake,
@@ -67,6 +67,13 @@ def _regex(values) -> str:
     return "|".join(v.replace("|", r"\|") for v in values)
 
 
+#: The cross-check compares a report only while its steps are recent: the last step or phase end at most
+#: this many step times ago, and at least this many seconds (a stalled run or an open phase: no comparison).
+FRESH_STEPS = 3.0
+FRESH_SECONDS = 60.0
+_FRESH = (f"({M.STALL_SECONDS} < clamp_min({FRESH_STEPS:g} * {M.LAST_STEP_DURATION_SECONDS}, "
+          f"{FRESH_SECONDS:g}))")
+
 _TRAINING = "mfuwatch-training-mfu"
 _GPU = "mfuwatch-gpu-health"
 _RANKS = "mfuwatch-cross-rank"
@@ -98,14 +105,16 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
                      f"[{format_duration(r['window'])}]))"),
     Signal("gpu_memory_used_ratio", "device memory used over total (NVML)", "ratio", (), True, _GPU,
            lambda r: f"{M.GPU_MEMORY_USED_BYTES} / {M.GPU_MEMORY_TOTAL_BYTES}"),
+    # both sides over the same interval: the report's MFU and the GPM activity averaged over that report's
+    # steps (agent/activity.py); no value while a phase is open or the last step is stale (cross_check_fresh)
     Signal("mfu_tensor_active_excess",
-           "MFU minus the tensor-active bound, tensor-active ratio x SM clock / max SM clock (NVML GPM); > 0: "
-           "more model FLOPs than the tensor cores could have done", "ratio", (), True, _GPU,
-           lambda r: f"{M.MFU} - {M.GPU_TENSOR_ACTIVE} * {M.GPU_SM_CLOCK_HERTZ} / {M.GPU_SM_CLOCK_MAX_HERTZ}"),
+           "MFU minus the tensor-active bound (tensor-active ratio x SM clock / max SM clock, NVML GPM), both "
+           "over the same report interval; > 0: more model FLOPs than the tensor cores could have done", "ratio",
+           (), True, _GPU, lambda r: f"(({M.MFU} - {M.INTERVAL_TENSOR_ACTIVE_BOUND}) and {_FRESH})"),
     Signal("mfu_tensor_active_fraction",
-           "MFU over the tensor-active bound (tensor-active ratio x SM clock / max SM clock); far below 1: FLOPs "
-           "the model does not count", "ratio", (), True, _GPU,
-           lambda r: f"{M.MFU} / ({M.GPU_TENSOR_ACTIVE} * {M.GPU_SM_CLOCK_HERTZ} / {M.GPU_SM_CLOCK_MAX_HERTZ} > 0)"),
+           "MFU over the tensor-active bound, both over the same report interval; far below 1: FLOPs the model "
+           "does not count", "ratio", (), True, _GPU,
+           lambda r: f"(({M.MFU} / ({M.INTERVAL_TENSOR_ACTIVE_BOUND} > 0)) and {_FRESH})"),
     Signal("step_time_vs_run_median",
            "a rank's mean step time over `window` divided by the median over the run's ranks (Prometheus only)",
            "ratio", ("window",), False, _RANKS,
@@ -120,37 +129,44 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
 class MeasurementStore:
     """The latest measurements and the short histories the signals need.
 
-    ``clock`` returns unix seconds (injectable for tests). Thread-safe; every
-    ``observe_*`` is O(1) amortised and never blocks for long.
+    ``clock`` is a monotonic clock in seconds (``time.monotonic``; injectable for tests): every duration
+    the signals measure (stall, look-back windows) is taken on it, never on the wall clock. ``stall`` is
+    the :class:`~mfuwatch.alerts.stall.StallClock` of ``seconds_since_last_step`` (the agent hands the one
+    its step hook feeds and its exporter serves; a private one, fed by reports, otherwise). Thread-safe;
+    every ``observe_*`` is O(1) amortised and never blocks for long.
     """
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], stall: Optional[StallClock] = None) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self.step: Optional[StepMeasurement] = None
         self.window: Optional[WindowMeasurement] = None
         self.gpu: Optional[GpuHealth] = None
-        self.last_step_at: Optional[float] = None  # engine clock when the last step report arrived
+        self.stall = stall if stall is not None else StallClock(clock)
         self._mfu: Deque[Tuple[float, float]] = collections.deque(maxlen=MFU_HISTORY)
         self._prev_errors: Optional[Tuple[int, int]] = None  # (xid, uncorrected ecc) of the previous sample
         self._xid_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
         self._ecc_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
-        self.stall_paused = 0  # fleet: open agent phases (eval, checkpoint): not a stall
         self.hang: Optional[Dict[str, Any]] = None  # fleet: the hang watchdog's report of the current step
 
     # -- fleet: agent.phase() pauses the stalled-loop signal ------------------------------------
     def pause_stall(self) -> None:
         """An evaluation or checkpoint phase began: ``seconds_since_last_step`` has no value until it ends."""
-        with self._lock:
-            self.stall_paused += 1
+        self.stall.pause()
 
     def resume_stall(self) -> None:
-        """The phase ended: the stall clock restarts now (as if a step had just been reported)."""
-        now = self._clock()
-        with self._lock:
-            self.stall_paused = max(0, self.stall_paused - 1)
-            if not self.stall_paused and self.last_step_at is not None:
-                self.last_step_at = now
+        """The phase ended: the stall clock restarts now (as if a step had just ended)."""
+        self.stall.resume()
+
+    @property
+    def stall_paused(self) -> int:
+        """Open agent phases (eval, checkpoint): not a stall."""
+        return self.stall.paused
+
+    @property
+    def last_step_at(self) -> Optional[float]:
+        """Monotonic seconds of the last progress (step or phase end), ``None`` before the first step."""
+        return self.stall.last_progress
 
     # -- fleet: where a stuck training thread waits -------------------------------------------
     def observe_hang(self, report: Optional[Mapping[str, Any]]) -> None:
@@ -179,7 +195,7 @@ class MeasurementStore:
         mfu = None if m.mfu is None else float(m.mfu)  # a bad value raises here, before anything is stored
         with self._lock:
             self.step = m
-            self.last_step_at = now
+            self.stall.report(now)
             if mfu is not None:
                 self._mfu.append((now, mfu))
 
@@ -223,10 +239,8 @@ class MeasurementStore:
                 if self.window is None or "idle" not in (self.window.breakdown or {}):
                     return None
                 return float(self.window.breakdown["idle"])
-            if signal == "seconds_since_last_step":
-                if self.stall_paused:  # fleet: an agent phase (eval, checkpoint) is open
-                    return None
-                return None if self.last_step_at is None else max(0.0, now - self.last_step_at)
+            if signal == "seconds_since_last_step":  # None while an agent phase (eval, checkpoint) is open
+                return self.stall.seconds(now)
             if signal == "gpu_throttle_reasons":
                 if self.gpu is None or not self.gpu.clock_event_reasons:
                     return None
@@ -236,7 +250,7 @@ class MeasurementStore:
             if signal == "gpu_ecc_uncorrected_increase":
                 return None if self._prev_errors is None else _sum_since(self._ecc_events, now - rule["window"])
             if signal in ("mfu_tensor_active_excess", "mfu_tensor_active_fraction"):
-                return self._tensor_active_check(signal)
+                return self._tensor_active_check(signal, now)
             if signal == "gpu_memory_used_ratio":
                 g = self.gpu
                 if g is None or not g.memory_total_bytes or g.memory_used_bytes is None:
@@ -244,13 +258,19 @@ class MeasurementStore:
                 return float(g.memory_used_bytes) / float(g.memory_total_bytes)
         return None  # Prometheus-only signals have no in-process value
 
-    def _tensor_active_check(self, signal: str) -> Optional[float]:
-        """MFU against tensor-active x clock ratio (caller holds the lock); None without GPM or clocks."""
-        m, g = self.step, self.gpu
-        if m is None or m.mfu is None or g is None or g.tensor_active is None or not g.sm_clock_hertz \
-                or not g.sm_clock_max_hertz:
+    def _tensor_active_check(self, signal: str, now: float) -> Optional[float]:
+        """The report's MFU against its own interval's tensor-active bound (caller holds the lock).
+
+        ``None`` without GPM, when the report's interval held a phase (its bound is ``None``), while a phase
+        is open, and when the last step is older than ``max(FRESH_SECONDS, FRESH_STEPS x step time)``.
+        """
+        m = self.step
+        if m is None or m.mfu is None or m.tensor_active_bound is None:
             return None
-        bound = float(g.tensor_active) * float(g.sm_clock_hertz) / float(g.sm_clock_max_hertz)
+        age = self.stall.seconds(now)
+        if age is None or age >= max(FRESH_SECONDS, FRESH_STEPS * float(m.step_time_seconds)):
+            return None
+        bound = float(m.tensor_active_bound)
         if signal == "mfu_tensor_active_excess":
             return float(m.mfu) - bound
         return float(m.mfu) / bound if bound > 0 else None
@@ -265,11 +285,34 @@ class MeasurementStore:
             return None
         hi = now - rule["offset"]
         lo = hi - rule["window"]
-        base = [v for t, v in self._mfu if lo < t <= hi]
-        if not base:
-            return None
-        median = statistics.median(base)
-        return None if median <= 0 else float(self.step.mfu) / median
+        median = _held_median(self._mfu, lo, hi)
+        return None if median is None or median <= 0 else float(self.step.mfu) / median
+
+
+def _held_median(history: Deque[Tuple[float, float]], lo: float, hi: float) -> Optional[float]:
+    """The median over time of a value held from each report to the next, over ``(lo, hi]``.
+
+    Each report's value counts for as long as it was the latest one inside the range, as Prometheus's
+    ``quantile_over_time`` over the scraped gauge weighs it (a scrape every interval reads the value held
+    then); a median over report counts weighs a slower phase of the run less, since it reports less often.
+    ``None`` when no report falls in the range.
+    """
+    held: List[Tuple[float, float]] = []  # (value, seconds)
+    items = list(history)
+    for i, (t, v) in enumerate(items):
+        end = items[i + 1][0] if i + 1 < len(items) else hi
+        w = min(end, hi) - max(t, lo)
+        if w > 0 and t <= hi:
+            held.append((v, w))
+    if not any(lo < t <= hi for t, _ in items) or not held:
+        return None
+    held.sort()
+    half, acc = sum(w for _, w in held) / 2.0, 0.0
+    for v, w in held:
+        acc += w
+        if acc >= half:
+            return v
+    return held[-1][0]
 
 
 def _sum_since(events: Deque[Tuple[float, int]], since: float) -> float:

@@ -59,6 +59,8 @@ def budget(top_k: int, suggestions: int, reasons: int) -> int:
     return (
         1  # run_info
         + 6  # mfu, hfu, model_flops_per_second, tokens_per_second, last_step_duration, last_step_timestamp
+        + 1  # stall_seconds (the agent's monotonic stall clock)
+        + 4  # interval_{tensor_active,tensor_active_bound,sm_active,dram_active}: GPM over the report's steps
         + 1  # peak_flops_per_second
         + (22 + 1) + 3  # step_duration_seconds: 22 buckets + +Inf, _sum, _count, _created
         + 2 * 2  # steps_total, tokens_total (+ _created)
@@ -98,6 +100,11 @@ def test_series_per_rank_stay_within_the_documented_budget():
     deadline = time.time() + 10
     while agent.latest is None and time.time() < deadline:
         time.sleep(0.05)
+    import dataclasses
+
+    # GPM over the report's steps, as the agent thread attaches it with NVML on (no NVML here)
+    agent.exporter.collector.update(step=dataclasses.replace(agent.latest, tensor_active=0.5, tensor_active_bound=0.4,
+                                                             sm_active=0.9, dram_active=0.4))
     samples = scrape(agent.exporter_url)
     agent.close()
     labels = {series: dict(series[1]) for series in samples}  # (name, sorted labels) -> labels

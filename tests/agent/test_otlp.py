@@ -47,7 +47,11 @@ def test_otlp_points_equal_the_prometheus_samples():
     bridge.close()
     assert prom and set(otel) == set(prom)
     for key, value in prom.items():
+        if key[0] == "mfuwatch_stall_seconds":  # a clock read at each collection: the two reads are apart
+            assert 0.0 <= value - otel[key] < 5.0, key
+            continue
         assert otel[key] == pytest.approx(value), key
     steps = otel[("mfuwatch_steps_total", (("job", "otlp-job"), ("rank", "0"), ("run", "otlp")))]
     assert steps == 6
-    assert otel[("mfuwatch_model_flops_total", (("job", "otlp-job"), ("rank", "0"), ("run", "otlp")))] == 6 * 3e9
+    # the FLOPs of the timed steps: the first step has no step time (the job MFU divides by it)
+    assert otel[("mfuwatch_model_flops_total", (("job", "otlp-job"), ("rank", "0"), ("run", "otlp")))] == 5 * 3e9

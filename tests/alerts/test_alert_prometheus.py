@@ -55,17 +55,18 @@ CASES = {
                       + [('mfuwatch_step_duration_seconds_sum{run="r",rank="3"}', "0+1.5x30")]
                       + [(f'mfuwatch_step_duration_seconds_count{{run="r",rank="{k}"}}', "0+1x30") for k in "0123"],
                       "20m", "3", 1.5, "mfuwatch-cross-rank", "9m"),
-    # MFU 0.5 while the tensor cores were active 40% at 1800 of 1980 MHz: bound 0.364, MFU 0.136 above it
+    # MFU 0.5 while the tensor cores were active 40% at 1800 of 1980 MHz over the same report interval: bound
+    # 0.364, MFU 0.136 above it; the agent's stall clock reads 2 s (steps of 1 s: fresh, no phase open)
     "MfuAboveTensorActivity": ([(f"mfuwatch_mfu_ratio{{{S}}}", "0.5x20"),
-                                (f"mfuwatch_gpu_tensor_active_ratio{{{S}}}", "0.4x20"),
-                                (f"mfuwatch_gpu_sm_clock_hertz{{{S}}}", "1800e6x20"),
-                                (f"mfuwatch_gpu_sm_clock_max_hertz{{{S}}}", "1980e6x20")],
+                                (f"mfuwatch_interval_tensor_active_bound_ratio{{{S}}}", f"{0.4 * 1800 / 1980!r}x20"),
+                                (f"mfuwatch_stall_seconds{{{S}}}", "2x20"),
+                                (f"mfuwatch_last_step_duration_seconds{{{S}}}", "1x20")],
                                "11m", "0", 0.5 - 0.4 * 1800 / 1980, "mfuwatch-gpu-health", "9m"),
     # MFU 0.05 against tensor active 0.8 at the full clock: 0.0625 of the bound for more than an hour
     "MfuFarBelowTensorActivity": ([(f"mfuwatch_mfu_ratio{{{S}}}", "0.05x70"),
-                                   (f"mfuwatch_gpu_tensor_active_ratio{{{S}}}", "0.8x70"),
-                                   (f"mfuwatch_gpu_sm_clock_hertz{{{S}}}", "1980e6x70"),
-                                   (f"mfuwatch_gpu_sm_clock_max_hertz{{{S}}}", "1980e6x70")],
+                                   (f"mfuwatch_interval_tensor_active_bound_ratio{{{S}}}", "0.8x70"),
+                                   (f"mfuwatch_stall_seconds{{{S}}}", "2x70"),
+                                   (f"mfuwatch_last_step_duration_seconds{{{S}}}", "1x70")],
                                   "61m", "0", 0.05 / 0.8, "mfuwatch-gpu-health", "59m"),
 }
 
@@ -89,10 +90,12 @@ def test_rendered_rules_mirror_the_config():
     assert rules["SlowMemory"]["expr"] == "mfuwatch_gpu_memory_used_bytes / mfuwatch_gpu_memory_total_bytes >= 0.5"
     assert "for" not in rules["SlowMemory"]
     assert rules["SlowMemory"]["annotations"]["summary"] == 'mem {{ $value | humanizePercentage }} {{ "{" }}x}'
-    # from the later of the last step and the last phase's end, nothing while a phase is open
+    # the agent's monotonic stall clock; older agents: from the later of the last step and the last phase's end,
+    # nothing while a phase is open
     assert rules["TrainingStalled"]["expr"] == (
-        "(time() - (mfuwatch_last_phase_end_timestamp_seconds > mfuwatch_last_step_timestamp_seconds or "
-        "mfuwatch_last_step_timestamp_seconds) unless mfuwatch_phase_in_progress > 0) > 300")
+        "(mfuwatch_stall_seconds or (time() - (mfuwatch_last_phase_end_timestamp_seconds > "
+        "mfuwatch_last_step_timestamp_seconds or mfuwatch_last_step_timestamp_seconds) unless "
+        "mfuwatch_phase_in_progress > 0)) > 300")
     for r in cfg.rules:
         if r.enabled:
             assert rules[r.name]["expr"] == rule_expr(r)

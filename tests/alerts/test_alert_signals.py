@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 
 from mfuwatch.agent.schema import GpuHealth, OpShare, StepMeasurement, Suggestion, WindowMeasurement
 from mfuwatch.alerts.signals import MeasurementStore, memory_bound_ops, suggestion_rows
@@ -32,10 +31,12 @@ def test_mfu_and_baseline_median(clock):
         s.observe_step(step(v, i))
     now = clock()
     assert s.value("mfu", rule, now) == 0.30
-    in_window = [v for i, v in enumerate(values) if t0 < t0 + 10 * i <= t0 + 100]  # i = 1..10
-    expected = 0.30 / statistics.median(in_window)
+    # a median over time, as Prometheus's quantile_over_time of the scraped gauge: each report's value is held
+    # until the next one; in (t0, t0+100] values[0..9] are held 10 s each (values[10] arrives at the end)
+    held = sorted(values[:10])  # .38 .39 .40 .40 .41 .41 .42 .43 .44 .45
+    expected = 0.30 / held[4]
     assert abs(s.value("mfu_vs_baseline", rule, now) - expected) < 1e-12
-    assert abs(expected - 0.30 / 0.415) < 1e-12  # median of values[1..10] = (0.41 + 0.42) / 2
+    assert abs(expected - 0.30 / 0.41) < 1e-12
     assert s.value("mfu", rule, now) is not None and s.value("seconds_since_last_step", rule, now) == 0.0
     assert s.value("seconds_since_last_step", rule, now + 42.0) == 42.0
 

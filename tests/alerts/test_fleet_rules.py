@@ -39,6 +39,8 @@ def _series():
         s.append({"series": f"mfuwatch_model_flops_total{{{lab}}}",
                   "values": "0+6e13x10 6e14x60" if stop else "0+6e13x70"})
         s.append({"series": f"mfuwatch_peak_flops_per_second{{{lab}}}", "values": "1e13x70"})
+        # the device-time of the timed steps (the job MFU's denominator): busy all the time
+        s.append({"series": f"mfuwatch_step_seconds_total{{{lab}}}", "values": "0+60x10 600x60" if stop else "0+60x70"})
         per_step = 0.13 if r == 1 else 0.1
         s.append({"series": f"mfuwatch_step_duration_seconds_sum{{{lab}}}",
                   "values": f"0+{600 * per_step:g}x10 {6000 * per_step:g}x60" if stop else f"0+{600 * per_step:g}x70"})
@@ -75,6 +77,7 @@ def _input_bound_series():
         s.append({"series": f"mfuwatch_step_duration_seconds_count{{{lab}}}", "values": "0+125x40"})
         s.append({"series": f"mfuwatch_last_step_duration_seconds{{{lab}}}", "values": "0.48x40"})
         s.append({"series": f"mfuwatch_last_step_timestamp_seconds{{{lab}}}", "values": "0+60x40"})
+        s.append({"series": f"mfuwatch_steps_total{{{lab}}}", "values": "0+125x40"})  # the exporter is scraped
         s.append({"series": f'mfuwatch_run_info{{{lab},host="gpu-node-{r}"}}', "values": "1x40"})
     return s
 
@@ -227,7 +230,8 @@ def _tests():
                     "description": "Productive step time over all wall time of the job's ranks (buckets in "
                                    "mfuwatch_goodput_seconds_total: input_wait, warmup, checkpoint_save/load, "
                                    "eval, lost_progress). The goodput row of the Cross-rank dashboard shows which "
-                                   "bucket grew.",
+                                   "bucket grew. Not raised while an agent phase (eval, checkpoint) of the job falls "
+                                   "in the 30m window: one planned eval or checkpoint is not an incident.",
                     "runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/runbooks/GoodputLow.md"}}]},
         ],
     }, _input_bound_test(), _phase_test(), _eval_barrier_test()]
@@ -253,6 +257,7 @@ def _eval_barrier_test():
                       "values": "0+60x40 2400+1x20"})
             s.append({"series": f'mfuwatch_goodput_seconds_total{{{lab},bucket="productive"}}',
                       "values": "0x40 0+59x20"})
+        s.append({"series": f"mfuwatch_steps_total{{{lab}}}", "values": "100x40 100+120x20"})  # scraped throughout
         s.append({"series": f'mfuwatch_run_info{{{lab},host="gpu-node-{r}"}}', "values": "1x60"})
     return {
         "interval": "1m",

@@ -205,7 +205,8 @@ def test_32_ranks_job_mfu_stragglers_hangs_and_memory(stack):
     assert mean_own == pytest.approx(FLOPS / STEP / PEAK, rel=0.05)  # the ranks really run 0.1 s steps
     assert recorded == pytest.approx(mean_own, rel=0.01)
     raw = _query(vm, f"sum by (job, run) (rate(mfuwatch_model_flops_total{{{sel}}}[{WINDOW:g}s])) / "
-                     f"sum by (job, run) (mfuwatch_peak_flops_per_second{{{sel}}})")
+                     f"sum by (job, run) (rate(mfuwatch_step_seconds_total{{{sel}}}[{WINDOW:g}s]) * "
+                     f"mfuwatch_peak_flops_per_second{{{sel}}})")
     assert float(raw[0]["value"][1]) == pytest.approx(recorded, rel=0.01)  # the same query answers in VM
     goodput = float(_query(vm, f"job:mfuwatch_goodput:ratio{{{sel}}}")[0]["value"][1])
     assert goodput == pytest.approx(0.9, abs=0.03)  # 10% of every step is scripted input wait

@@ -41,6 +41,12 @@ NOT_ON_DASHBOARDS = {
     M.PHASE_IN_PROGRESS: "read by the TrainingStalled rules (no page while a phase is open); the goodput row "
                          "shows the phases' time (eval, checkpoint buckets)",
     M.LAST_PHASE_END_TIMESTAMP_SECONDS: "read by the TrainingStalled rules (the stall clock restarts at a phase's end)",
+    M.STALL_SECONDS: "the TrainingStalled value of both paths (the agent's monotonic stall clock)",
+    M.INTERVAL_TENSOR_ACTIVE: "the GPM side of the MFU cross-check over a report's steps; the GPU-health panels "
+                              "show the live GPM activity",
+    M.INTERVAL_TENSOR_ACTIVE_BOUND: "read by MfuAboveTensorActivity / MfuFarBelowTensorActivity",
+    M.INTERVAL_SM_ACTIVE: "the live SM activity is on the GPU-health dashboard",
+    M.INTERVAL_DRAM_ACTIVE: "the live DRAM activity is on the GPU-health dashboard",
 }
 #: Series recorded by the fleet rules (grafana/prometheus/rules/mfuwatch-fleet.rules.yml) the dashboards read.
 RECORDED = {r["record"] for r in recording_rules(FleetRuleConfig())}
