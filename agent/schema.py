@@ -77,6 +77,7 @@ class M:
     GPU_ECC_ERRORS_TOTAL = PREFIX + "gpu_ecc_errors_total"  # {type}
     # the agent itself and the notifiers
     AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
+    IMPLAUSIBLE_RATIO_TOTAL = PREFIX + "implausible_ratio_total"  # {ratio}: MFU/HFU above 1, not exported
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
     # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
@@ -104,6 +105,7 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.GPU_CLOCK_EVENT_REASON: ("reason",),
     M.GPU_ECC_ERRORS_TOTAL: ("type",),
     M.AGENT_ERRORS_TOTAL: ("component",),
+    M.IMPLAUSIBLE_RATIO_TOTAL: ("ratio",),  # "mfu" | "hfu" (agent/plausibility.py)
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
     M.ALERTS_FIRING: ("alertname", "severity"),
     M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/goodput.py
@@ -147,7 +149,8 @@ class StepMeasurement:
 
     ``step`` is the index of the last optimizer step in the interval; ``steps``
     how many steps the interval covers. Durations in seconds, FLOPs in FLOP,
-    rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown.
+    rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown, or when they came out
+    above 1.0 (impossible; the value is kept in ``implausible``, see agent/plausibility.py).
 
     Produced by ``Agent._report`` (agent/agent_thread.py) on the agent thread, from the step clock's
     intervals (agent/clock.py), the FLOP model and the peak of :mod:`mfuwatch.agent.peaks`.
@@ -166,6 +169,8 @@ class StepMeasurement:
     hfu: Optional[float] = None
     loss: Optional[float] = None  # the last step's loss when known (record_loss / step(loss=)), else None
     tokens_per_step: Optional[float] = None  # mean tokens of one optimizer step: per step, like model_flops
+    #: ratios above 1.0 withheld from ``mfu``/``hfu`` (``{"mfu": 6.63}``; agent/plausibility.py), else empty
+    implausible: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
