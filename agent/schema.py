@@ -205,6 +205,12 @@ class Suggestion:
     time_seconds: float  # GPU time of those ops in the window, per step
     expected_gain: float  # fraction of step time saved (Amdahl), 0..1
     kind: str = "existing"  # "existing" (torch feature) | "bundled" (mfuwatch.kernels)
+    #: its gain on top of the suggestions ranked before it (the op time they did not already claim); None:
+    #: not computed (an older record)
+    gain_in_set: Optional[float] = None
+    #: the suggestion ranked before it that already removes most of its time (e.g. "torch_compile" for the
+    #: drop-ins Inductor fuses anyway): it is not part of the proposed set; None: it is
+    covered_by: Optional[str] = None
 
 
 @dataclass
@@ -228,6 +234,9 @@ class WindowMeasurement:
     kernels_per_step: float = 0.0
     mean_kernel_seconds: float = 0.0
     step_time_seconds: Optional[float] = None
+    #: gain of applying every suggestion not ``covered_by`` another together (Amdahl over disjoint op time,
+    #: not the sum of the parts), fraction of step time; None: not computed
+    combined_gain: Optional[float] = None
 
 
 @dataclass

@@ -172,8 +172,9 @@ REGISTRY: Tuple[Remedy, ...] = (
               "the full logits (linear_cross_entropy); elsewhere mfuwatch.kernels.cross_entropy(logits, targets)",
         apply=_patch("cross_entropy"),
         replaces="[logits.float()] → log_softmax → nll_loss, or cross_entropy_loss",
+        # gap: Hugging Face's ForCausalLMLoss pads and copies the labels between logits.float() and the loss
         sequence=(Step(_ops("to", "_to_copy"), optional=True),
-                  Step(_ops("cross_entropy_loss", "log_softmax", "_log_softmax")),
+                  Step(_ops("cross_entropy_loss", "log_softmax", "_log_softmax"), gap=3),
                   Step(_ops("nll_loss", "nll_loss_nd"), optional=True)),
         anchor_arg=0,
         note="bytes from mfuwatch.kernels.traffic: forward reads the logits, backward reads them again and "
