@@ -1,10 +1,10 @@
 """Predicted against measured: apply each fix the live profiler window suggests and time it.
 
 For each model (Hugging Face classes built from configs, no download), one process trains the model as
-written (eager, foreach AdamW, bf16 autocast), times it, then attaches the mfuwatch agent with a profiler
-window (``profile_every``) and takes the suggestions the agent's live window produces (the same child-process
-analysis as in training). Then every suggested fix runs in a process of its own, from the same weights and
-batch, and is timed the same way:
+written (eager, foreach AdamW, bf16 autocast), times it, then records a profiler window as the agent's
+sampler records one and takes the suggestions of the live window's analysis (``analyze_events``, the
+function the live window and ``mfuwatch analyze`` share; the trace is kept). Then every suggested fix runs
+in a process of its own, from the same weights and batch, and is timed the same way:
 
 ================  ===============================================================================
 fix               how it is applied
@@ -155,29 +155,61 @@ def child(args) -> Dict[str, Any]:
         times.append((time.perf_counter() - t) * 1e3)
     out: Dict[str, Any] = {"model": model_name, "config": spec, "ms": times, "median_ms": statistics.median(times),
                            "first_loss": first, "warmup_s": warm_s, "swapped": swapped}
+    log(f"{spec}: median {out['median_ms']:.1f} ms after {warm_s:.1f} s of warm-up")
     if spec == "base":
-        out["window"] = live_window(model, opt, step, sync, args)
+        out["window"] = window_of(step, sync, args, model_name)
+        log("window analysed")
     return out
 
 
-def live_window(model, opt, step, sync, args) -> Optional[Dict[str, Any]]:
-    """The mfuwatch agent's live profiler window over this training loop (its suggestions), as a record."""
-    from mfuwatch.agent import Agent
+def window_of(step, sync, args, model_name: str) -> Optional[Dict[str, Any]]:
+    """A profiler window over this training loop, as the agent's sampler records one (CPU + CUDA activities,
+    ``record_shapes=True``, 1 warm-up + 3 active steps), analysed by the function the live window and
+    ``mfuwatch analyze`` share (:func:`mfuwatch.agent.analysis.analyze.analyze_events`, the window's own step
+    time as the gains' denominator). The trace is kept as ``$OUT/gain_truth/<model>/window.json.gz``."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from mfuwatch.agent.analysis.analyze import analyze_events
+    from mfuwatch.agent.analysis.trace import read_trace
+    from mfuwatch.agent.peaks import resolve_peaks
     from mfuwatch.agent.schema import to_record
 
-    agent = Agent(model, opt, config=dict(exporter=False, nvml=False, alerts=False, run="gain_truth", progress=False,
-                                          profile_every="3 steps", profile_warmup_steps=1, profile_active_steps=3))
-    try:
-        for _ in range(8):  # the window: 3 steps in, 1 warm-up + 3 recorded
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() and not args.cpu else [])
+    tmp = tempfile.mkdtemp(prefix="gain_truth_")
+    raw = os.path.join(tmp, "window.json")
+    with profile(activities=acts, record_shapes=True, schedule=schedule(wait=0, warmup=1, active=3, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(raw)) as prof:
+        for _ in range(4):
             step()
-        sync()
-        deadline = time.monotonic() + 150
-        while agent.latest_window is None and time.monotonic() < deadline:
-            time.sleep(0.2)  # analysed in a child process, as in training
-    finally:
-        agent.close()
-    w = agent.latest_window
-    return None if w is None else to_record("window", w)
+            sync()
+            prof.step()
+    log(f"trace {os.path.getsize(raw) / 1e6:.1f} MB")
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        d = os.path.join(out_dir, "gain_truth", model_name)
+        os.makedirs(d, exist_ok=True)
+        with open(raw, "rb") as src, gzip.open(os.path.join(d, "window.json.gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    if args.cpu:
+        from mfuwatch.agent.calibrate import calibrate_bandwidth, calibrate_matmul
+
+        spec, device = {"peak_flops": {"fp32": calibrate_matmul("cpu", torch.float32)},
+                        "memory_bandwidth_bytes_per_second": calibrate_bandwidth("cpu")}, "cpu"
+    else:
+        spec, device = resolve_peaks(torch.cuda.get_device_name(), warn=False), "cuda"
+    wm = analyze_events(read_trace(raw).events(), spec_or_peaks=spec, device_type=device)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return to_record("window", wm)
+
+
+def log(text: str) -> None:
+    """A progress line on stderr (the parent keeps it in ``<config>.log``)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------ parent
@@ -186,16 +218,21 @@ def run_child(model: str, spec: str, args) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{model}:{spec}", "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"model": model, "config": spec, "error": f"timed out after {args.timeout} s"}
+    out_dir = os.environ.get("OUT")
+    log_path = os.path.join(out_dir, "gain_truth", model, spec.replace("+", "_") + ".log") if out_dir else os.devnull
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as err:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {"model": model, "config": spec, "error": f"timed out after {args.timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             res = json.loads(line)
             res["wall_s"] = time.perf_counter() - t0
             return res
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:] or ["no output"]
+    text = open(log_path).read() if out_dir else proc.stdout
+    tail = text.strip().splitlines()[-3:] or ["no output"]
     return {"model": model, "config": spec, "error": f"exit {proc.returncode}: {' | '.join(tail)[:400]}"}
 
 
