@@ -19,8 +19,9 @@ the set           every suggestion not covered by another, together: against the
 
 Measured gain = (base ms/step − fix ms/step) / base ms/step (median of ``--steps`` synchronized steps after
 ``--warmup``). Goal (issue 24): every predicted gain within 2 percentage points or 25% of the measured one,
-whichever is larger. The parent prints a markdown table and, with ``$OUT`` set, writes ``$OUT/gain_truth.md``
-and ``$OUT/gain_truth/<model>/<config>.json`` (one per process, written as each finishes).
+whichever is larger. The parent prints a markdown table and, with ``$OUT`` set, writes ``$OUT/gain_truth.md``,
+``$OUT/gain_truth/<model>.jsonl`` (one JSON record per configuration, written as each process finishes),
+``$OUT/gain_truth/<model>.window.json.gz`` (the profiler window's trace) and ``children.log`` (their stderr).
 
     python3 benchmarks/gain_truth.py --models llama               # H200: one model, ~4-5 min
     python3 benchmarks/gain_truth.py --models qwen3 --budget 280  # stop starting processes after 280 s
@@ -191,9 +192,9 @@ def window_of(step, sync, args, model_name: str) -> Optional[Dict[str, Any]]:
     log(f"trace {os.path.getsize(raw) / 1e6:.1f} MB")
     out_dir = os.environ.get("OUT")
     if out_dir:
-        d = os.path.join(out_dir, "gain_truth", model_name)
+        d = os.path.join(out_dir, "gain_truth")
         os.makedirs(d, exist_ok=True)
-        with open(raw, "rb") as src, gzip.open(os.path.join(d, "window.json.gz"), "wb") as dst:
+        with open(raw, "rb") as src, gzip.open(os.path.join(d, f"{model_name}.window.json.gz"), "wb") as dst:
             shutil.copyfileobj(src, dst)
     if args.cpu:
         from mfuwatch.agent.calibrate import calibrate_bandwidth, calibrate_matmul
@@ -218,21 +219,27 @@ def run_child(model: str, spec: str, args) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{model}:{spec}", "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--cpu"] if args.cpu else []) + (["--tiny"] if args.tiny else [])
     t0 = time.perf_counter()
+    err = ""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        out, err = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = None
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
     out_dir = os.environ.get("OUT")
-    log_path = os.path.join(out_dir, "gain_truth", model, spec.replace("+", "_") + ".log") if out_dir else os.devnull
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "w") as err:
-        try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            return {"model": model, "config": spec, "error": f"timed out after {args.timeout} s"}
-    for line in reversed(proc.stdout.splitlines()):
+    if out_dir:  # every child's stderr in one file (few files under $OUT: the device returns a limited number)
+        os.makedirs(os.path.join(out_dir, "gain_truth"), exist_ok=True)
+        with open(os.path.join(out_dir, "gain_truth", "children.log"), "a") as f:
+            f.write(f"===== {model}:{spec}\n{err}\n")
+    if out is None:
+        return {"model": model, "config": spec, "error": f"timed out after {args.timeout} s",
+                "log_tail": err.strip().splitlines()[-3:]}
+    for line in reversed(out.splitlines()):
         if line.startswith("{"):
             res = json.loads(line)
             res["wall_s"] = time.perf_counter() - t0
             return res
-    text = open(log_path).read() if out_dir else proc.stdout
-    tail = text.strip().splitlines()[-3:] or ["no output"]
+    tail = (err or out).strip().splitlines()[-3:] or ["no output"]
     return {"model": model, "config": spec, "error": f"exit {proc.returncode}: {' | '.join(tail)[:400]}"}
 
 
@@ -288,11 +295,10 @@ def main() -> int:
             status = r.get("error") or f"median {r['median_ms']:.1f} ms, first loss {r['first_loss']:.4f}, " \
                                        f"{r.get('wall_s', 0):.0f} s"
             print(f"{model} {spec}: {status}", flush=True)
-            if out_dir:
-                d = os.path.join(out_dir, "gain_truth", model)
-                os.makedirs(d, exist_ok=True)
-                with open(os.path.join(d, spec.replace("+", "_") + ".json"), "w") as f:
-                    json.dump(r, f, indent=1)
+            if out_dir:  # one JSON line per configuration, written as each finishes
+                os.makedirs(os.path.join(out_dir, "gain_truth"), exist_ok=True)
+                with open(os.path.join(out_dir, "gain_truth", f"{model}.jsonl"), "a") as f:
+                    f.write(json.dumps(r) + "\n")
             return r
 
         base = run("base")

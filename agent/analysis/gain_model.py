@@ -129,6 +129,8 @@ def combine(claims: Sequence[Claim], min_gain: float) -> Tuple[Dict[str, float],
             if o is not None:
                 taken[o] = taken.get(o, 0.0) + t
         left = total - sum(taken.values())
+        if left <= 1e-9 * total:  # all of it claimed already (summation leaves ~1e-16 residues)
+            left = 0.0
         g = c.gain * (left / total) if total > 0 else c.gain
         in_set[c.kernel] = max(0.0, g)
         if g < min_gain and taken:

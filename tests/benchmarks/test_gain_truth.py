@@ -51,7 +51,9 @@ def test_cpu_tiny_smoke_run_writes_the_table_and_one_json_per_process(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     table = (tmp_path / "gain_truth.md").read_text()
     for model in ("qwen3",):
-        base = json.loads((tmp_path / "gain_truth" / model / "base.json").read_text())
+        recs = {r["config"]: r for r in map(json.loads, (tmp_path / "gain_truth" / f"{model}.jsonl").open())}
+        base = recs["base"]
+        assert (tmp_path / "gain_truth" / f"{model}.window.json.gz").stat().st_size > 0  # the trace is kept
         assert len(base["ms"]) == 3 and base["median_ms"] > 0
         window = base["window"]  # the agent's live profiler window
         assert window["kind"] == "window" and window["steps"] == 3
@@ -60,5 +62,5 @@ def test_cpu_tiny_smoke_run_writes_the_table_and_one_json_per_process(tmp_path):
             assert s["gain_in_set"] is not None
             assert f"| {s['kernel']} |" in table  # every suggestion has its row
             if s["kernel"] in ("fused_adamw", "torch_compile"):
-                r = json.loads((tmp_path / "gain_truth" / model / f"{s['kernel']}.json").read_text())
+                r = recs[s["kernel"]]
                 assert r["config"] == s["kernel"] and r["first_loss"] == pytest.approx(base["first_loss"], rel=1e-3)
