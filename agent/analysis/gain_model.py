@@ -98,15 +98,17 @@ def host_bound_gaps(ts: Sequence[float], dur: Sequence[float], launch_end: Seque
 class Claim:
     """What one suggestion replaces, for :func:`combine`.
 
-    ``gain``: its gain alone (fraction of step time); ``time_us``: µs in the window of each thing it
-    removes, keyed ``("op", top-level op id)`` for ops (forward and backward) and ``("gap", activity
-    index)`` for host-bound idle gaps (``torch_compile`` also claims the gaps next to the kernels of
-    the ops it fuses: it removes those launches).
+    ``gain``: its gain alone (fraction of step time); ``time_us``: µs in the window of each thing its gain
+    comes from, keyed ``("op", top-level op id)`` for ops (forward and backward) and ``("gap", activity
+    index)`` for host-bound idle gaps; ``also``: what it removes besides, without counting it in its gain
+    (a fix that fuses or replaces ops removes their launches, and with them the host-bound gaps next to
+    their kernels: a later ``cuda_graphs`` cannot gain them again).
     """
 
     kernel: str
     gain: float
     time_us: Dict[object, float] = field(default_factory=dict)
+    also: Dict[object, float] = field(default_factory=dict)
 
 
 def combine(claims: Sequence[Claim], min_gain: float) -> Tuple[Dict[str, float], Dict[str, str], float]:
@@ -138,7 +140,7 @@ def combine(claims: Sequence[Claim], min_gain: float) -> Tuple[Dict[str, float],
             continue
         if g < min_gain:
             continue
-        for key in c.time_us:
+        for key in (*c.time_us, *c.also):
             owner.setdefault(key, c.kernel)
     combined = sum(g for k, g in in_set.items() if k not in covered and g >= min_gain)
     return in_set, covered, min(combined, 1.0)

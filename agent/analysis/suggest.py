@@ -266,7 +266,7 @@ def _claim(ctx: _Context, r, matches: List[_Match], gaps, gain: float) -> gain_m
             for k in (prev, nxt):
                 op = kr_op[k]
                 if op >= 0 and top_of[op] in tops:
-                    c.time_us[("gap", nxt)] = g
+                    c.also[("gap", nxt)] = g
                     break
     return c
 
