@@ -12,8 +12,12 @@ or at least ``FLOPs / peak`` when it keeps the ops' FLOPs (attention, autocast).
 matched time includes the backward ops autograd ran for the matched forward ops (linked
 by the ``Sequence number`` the profiler records on both). Remedies whose gain is below
 :data:`MIN_GAIN` are dropped; the rest are ranked existing fixes first, then bundled
-kernels, each by gain. Gains of overlapping remedies (``torch_compile`` covers the
-pointwise chains a drop-in also replaces) are alternatives, not additive.
+kernels, each by gain. The drop-ins reach the bandwidth fraction they were measured at
+(:func:`.gain_model.replacement_efficiency`); CUDA graphs gain only the idle gaps in which the GPU
+waited for a launch (:func:`.gain_model.host_bound_gaps`). Overlapping remedies (``torch_compile``
+fuses the ops a drop-in also replaces) are combined by :func:`suggest_set`: each suggestion's gain in
+the proposed set counts only time no earlier one claimed, and the set's combined gain is Amdahl over
+that disjoint time (docs/analyze.md, "How the gains are modelled").
 """
 
 from __future__ import annotations
