@@ -42,6 +42,9 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _hf_step import time_steps, train_step  # noqa: E402  (the step and timing shared with hf_llama_e2e)
+
 BUNDLED = ("rms_norm", "rotary", "swiglu", "cross_entropy", "layer_norm", "geglu")
 APPLICABLE = ("fused_adamw", "torch_compile", "cuda_graphs") + BUNDLED
 #: order processes run in: the most telling first, so a budget cut leaves the least telling out
@@ -129,31 +132,9 @@ def child(args) -> Dict[str, Any]:
                             foreach=None if "fused_adamw" in fixes else True)
     autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda")
     mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None) if graphs else None
-
-    def step():
-        if mark is not None:
-            mark()
-        with autocast:
-            loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = train_step(fwd, ids, opt, autocast, before=mark)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    first = float(step().detach())
-    for _ in range(max(0, args.warmup - 1)):
-        step()
-    sync()
-    warm_s = time.perf_counter() - t0
-    times = []
-    for _ in range(args.steps):
-        sync()
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
+    first, warm_s, times = time_steps(step, sync, args.warmup, args.steps)
     out: Dict[str, Any] = {"model": model_name, "config": spec, "ms": times, "median_ms": statistics.median(times),
                            "first_loss": first, "warmup_s": warm_s, "swapped": swapped}
     log(f"{spec}: median {out['median_ms']:.1f} ms after {warm_s:.1f} s of warm-up")
