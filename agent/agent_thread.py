@@ -88,7 +88,7 @@ class AgentThread:
     """Mixin of :class:`~mfuwatch.agent.core.Agent`: the agent thread's loop and its outputs.
 
     Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``, ``_last_gpu_write``,
-    ``_last_progress``, ``_mfu_warned``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
+    ``_last_progress``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
     watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs
     until ``_stop`` is set, then reports once more.
     """
@@ -211,11 +211,7 @@ class AgentThread:
             tensor_active_bound=activity and activity.tensor_active_bound,
             sm_active=activity and activity.sm_active, dram_active=activity and activity.dram_active,
         )
-        if m.mfu is not None and m.mfu > 1.0 and not self._mfu_warned:
-            self._mfu_warned = True
-            log.warning("mfuwatch: MFU %.0f%% is above 100%%: the peak (%.3g FLOP/s, %s) is too low for this "
-                        "device — a calibration taken while the machine was busy, or the wrong dtype; pass "
-                        "peak_flops=<FLOP/s> for a trustworthy MFU", m.mfu * 100, peak, self.run_info.peak_source)
+        m = self._ratio_guard.check(m)  # MFU/HFU above 1: withheld, counted, logged once (agent/plausibility.py)
         self.latest = m
         with self.errors.guard("exporter"):
             self.exporter.collector.update(step=m)

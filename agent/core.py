@@ -41,6 +41,7 @@ from .hooks import TrainingHooks, count_tokens  # noqa: F401  (count_tokens: pub
 from .job import job_labelled_view, resolve_job
 from .lifecycle import Lifecycle
 from .mfu_peak import MfuPeak
+from .plausibility import ImplausibleRatioGuard
 from .schema import RunInfo, StepMeasurement, WindowMeasurement
 from .timeline import Timeline
 
@@ -99,7 +100,6 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self._peak: Optional[float] = None
         self._peak_warned = False
         self._run_info_dirty = False
-        self._mfu_warned = False
         self._last_progress: Optional[float] = None  # time.monotonic() of the last console progress line
         self._run_written: Optional[dict] = None  # the last "run" timeline record written
         self._dtype_seen = False  # the agent thread saw the dtype known at its previous tick
@@ -115,6 +115,7 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self._activity_since: Optional[float] = None  # wall end of the previous report (agent/activity.py)
         self.exporter.collector.stall_seconds = self.stall_clock.seconds
         self.registry = self.exporter.registry
+        self._ratio_guard = ImplausibleRatioGuard(self.registry, self.run_info)  # MFU/HFU above 1
         self.exporter.exposed_registry = job_labelled_view(self.exporter.exposed_registry, self.run_info.job)
         self._sd_target = None
         self.otlp = None  # fleet: optional OTLP export of the same series (agent/otlp.py)

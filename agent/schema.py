@@ -85,6 +85,7 @@ class M:
     GPU_ECC_ERRORS_TOTAL = PREFIX + "gpu_ecc_errors_total"  # {type}
     # the agent itself and the notifiers
     AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
+    IMPLAUSIBLE_RATIO_TOTAL = PREFIX + "implausible_ratio_total"  # {ratio}: MFU/HFU above 1, not exported
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
     # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
@@ -112,6 +113,7 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.GPU_CLOCK_EVENT_REASON: ("reason",),
     M.GPU_ECC_ERRORS_TOTAL: ("type",),
     M.AGENT_ERRORS_TOTAL: ("component",),
+    M.IMPLAUSIBLE_RATIO_TOTAL: ("ratio",),  # "mfu" | "hfu" (agent/plausibility.py)
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
     M.ALERTS_FIRING: ("alertname", "severity"),
     M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/goodput.py
@@ -155,7 +157,8 @@ class StepMeasurement:
 
     ``step`` is the index of the last optimizer step in the interval; ``steps``
     how many steps the interval covers. Durations in seconds, FLOPs in FLOP,
-    rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown.
+    rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown, or when they came out
+    above 1.0 (impossible; the value is kept in ``implausible``, see agent/plausibility.py).
 
     Produced by ``Agent._report`` (agent/agent_thread.py) on the agent thread, from the step clock's
     intervals (agent/clock.py), the FLOP model and the peak of :mod:`mfuwatch.agent.peaks`.
@@ -181,6 +184,8 @@ class StepMeasurement:
     tensor_active_bound: Optional[float] = None  # tensor_active x SM clock / max SM clock
     sm_active: Optional[float] = None
     dram_active: Optional[float] = None
+    #: ratios above 1.0 withheld from ``mfu``/``hfu`` (``{"mfu": 6.63}``; agent/plausibility.py), else empty
+    implausible: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -215,6 +220,12 @@ class Suggestion:
     time_seconds: float  # GPU time of those ops in the window, per step
     expected_gain: float  # fraction of step time saved (Amdahl), 0..1
     kind: str = "existing"  # "existing" (torch feature) | "bundled" (mfuwatch.kernels)
+    #: its gain on top of the suggestions ranked before it (the op time they did not already claim); None:
+    #: not computed (an older record)
+    gain_in_set: Optional[float] = None
+    #: the suggestion ranked before it that already removes most of its time (e.g. "torch_compile" for the
+    #: drop-ins Inductor fuses anyway): it is not part of the proposed set; None: it is
+    covered_by: Optional[str] = None
 
 
 @dataclass
@@ -238,6 +249,9 @@ class WindowMeasurement:
     kernels_per_step: float = 0.0
     mean_kernel_seconds: float = 0.0
     step_time_seconds: Optional[float] = None
+    #: gain of applying every suggestion not ``covered_by`` another together (Amdahl over disjoint op time,
+    #: not the sum of the parts), fraction of step time; None: not computed
+    combined_gain: Optional[float] = None
 
 
 @dataclass

@@ -103,6 +103,10 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
            True, _GPU,
            lambda r: f'sum without (type) (increase({M.GPU_ECC_ERRORS_TOTAL}{{type="uncorrected"}}'
                      f"[{format_duration(r['window'])}]))"),
+    Signal("implausible_ratio_increase",
+           "reports whose MFU or HFU came out above 1.0 (impossible; not exported) over the last `window`",
+           "count", ("window",), True, _TRAINING,
+           lambda r: f"sum without (ratio) (increase({M.IMPLAUSIBLE_RATIO_TOTAL}[{format_duration(r['window'])}]))"),
     Signal("gpu_memory_used_ratio", "device memory used over total (NVML)", "ratio", (), True, _GPU,
            lambda r: f"{M.GPU_MEMORY_USED_BYTES} / {M.GPU_MEMORY_TOTAL_BYTES}"),
     # both sides over the same interval: the report's MFU and the GPM activity averaged over that report's
@@ -147,6 +151,7 @@ class MeasurementStore:
         self._prev_errors: Optional[Tuple[int, int]] = None  # (xid, uncorrected ecc) of the previous sample
         self._xid_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
         self._ecc_events: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)
+        self._implausible: Deque[Tuple[float, int]] = collections.deque(maxlen=1024)  # (time, ratios withheld)
         self.hang: Optional[Dict[str, Any]] = None  # fleet: the hang watchdog's report of the current step
 
     # -- fleet: agent.phase() pauses the stalled-loop signal ------------------------------------
@@ -198,6 +203,8 @@ class MeasurementStore:
             self.stall.report(now)
             if mfu is not None:
                 self._mfu.append((now, mfu))
+            if m.implausible:  # MFU/HFU above 1 withheld by the agent (agent/plausibility.py)
+                self._implausible.append((now, len(m.implausible)))
 
     def observe_window(self, w: WindowMeasurement) -> None:
         """Record the latest profiler window."""
@@ -247,6 +254,8 @@ class MeasurementStore:
                 return float(sum(1 for r in rule["reasons"] if self.gpu.clock_event_reasons.get(r)))
             if signal == "gpu_xid_errors_increase":
                 return None if self._prev_errors is None else _sum_since(self._xid_events, now - rule["window"])
+            if signal == "implausible_ratio_increase":
+                return None if self.step is None else _sum_since(self._implausible, now - rule["window"])
             if signal == "gpu_ecc_uncorrected_increase":
                 return None if self._prev_errors is None else _sum_since(self._ecc_events, now - rule["window"])
             if signal in ("mfu_tensor_active_excess", "mfu_tensor_active_fraction"):

@@ -42,6 +42,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _hf_step import time_steps, train_step  # noqa: E402  (the step and timing shared with gain_truth)
+
 CONFIGS = ("eager", "eager_patch", "eager_liger", "compile", "compile_patch")
 
 P = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,30 +112,10 @@ def child(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not args.tiny)
     autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=not args.tiny)
 
-    def step():
-        with autocast:
-            loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = train_step(fwd, ids, opt, autocast)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    first = float(step().detach())  # the same in every configuration up to rounding: same weights, same batch
-    for _ in range(max(0, args.warmup - 1)):
-        step()
-    sync()
-    warm_s = time.perf_counter() - t0
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        sync()
-        t = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
+    first, warm_s, times = time_steps(step, sync, args.warmup, args.steps,
+                                      after_warmup=torch.cuda.reset_peak_memory_stats if dev == "cuda" else None)
     peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
     phases = {}
     if dev == "cuda":  # one more step, the peak of each phase apart: where the step's peak is

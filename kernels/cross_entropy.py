@@ -162,7 +162,8 @@ FACTS = KernelFacts(
         apply=patch_line("cross_entropy"),
         replaces="[logits.float()] → log_softmax → nll_loss, or cross_entropy_loss",
         sequence=(Step(aten("to", "_to_copy"), optional=True),
-                  Step(aten("cross_entropy_loss", "log_softmax", "_log_softmax")),
+                  # gap: Hugging Face's ForCausalLMLoss pads and copies the labels between logits.float() and the loss
+                  Step(aten("cross_entropy_loss", "log_softmax", "_log_softmax"), gap=3),
                   Step(aten("nll_loss", "nll_loss_nd"), optional=True)),
         anchor_arg=0,
         note="bytes from mfuwatch.kernels.traffic: forward reads the logits, backward reads them again and "

@@ -30,7 +30,7 @@ How an entry finds its ops (first that applies):
   (``Optimizer.step#AdamW.step``), unless one of them is in ``exclude`` (already fixed).
 * ``detector``: a rule computed by the agent: ``"pointwise_chain"`` (runs of
   :data:`MIN_CHAIN` or more memory-bound pointwise ops), ``"launch_bound"`` (GPU idle gaps
-  shorter than :data:`MAX_LAUNCH_GAP_SECONDS` between kernels), ``"fp32_matmul"``
+  shorter than :data:`MAX_LAUNCH_GAP_SECONDS` in which the GPU waited for the next launch), ``"fp32_matmul"``
   (matmul-like ops with fp32 inputs on a GPU with bf16 tensor cores).
 
 The **minimal bytes** of the replacement, for the expected gain, come from the *anchor*
@@ -96,13 +96,14 @@ _DETECTORS: Tuple[Remedy, ...] = (
         replaces="3 or more consecutive memory-bound pointwise ops",
         detector="pointwise_chain", anchor_arg=0, passes_forward=2.0, passes_backward=3.0,
         note="a fused chain is estimated to read its first input and write one output forward, and to move "
-             "3 tensors of that size backward; its gain overlaps with the drop-ins for the same ops",
+             "3 tensors of that size backward; the agent adds the drop-ins' ops Inductor fuses outside chains, "
+             "and the drop-ins are then covered by it in the proposed set",
     ),
     Remedy(
         kernel="cuda_graphs", kind="existing",
         title="Launch-bound: capture the step with CUDA graphs (torch.compile mode='reduce-overhead')",
         apply='model = torch.compile(model, mode="reduce-overhead")',
-        replaces="GPU idle gaps shorter than 200 µs between many small kernels",
+        replaces="GPU idle gaps shorter than 200 µs in which the GPU waited for the next kernel's launch",
         detector="launch_bound", passes_forward=0.0, passes_backward=0.0,
     ),
     Remedy(
@@ -119,7 +120,7 @@ _DETECTORS: Tuple[Remedy, ...] = (
 
 def remedies() -> Tuple[Remedy, ...]:
     """The table, in matching precedence (a matched op is claimed by the first entry only; detectors may
-    overlap other entries, their gains are alternatives, not additive): the existing fixes for fused
+    overlap other entries: the agent counts each op once in the set it proposes): the existing fixes for fused
     optimizers and attention, then each bundled kernel's declared remedy in the order of the kernel list,
     then the detectors."""
     return _FIRST + tuple(kf.remedy for kf in all_facts() if kf.remedy is not None) + _DETECTORS

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from ..peaks import PEAK_KEYS, Peaks, resolve_peaks
 from ..schema import WindowMeasurement, to_record
 from .roofline import build_window, measure
-from .suggest import suggest
+from .suggest import suggest_set
 from .trace import GPU_CATEGORIES, TraceError, TraceIndex, read_trace
 
 _DTYPES = PEAK_KEYS
@@ -81,8 +81,9 @@ def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any,
         raise TraceError("the trace has no CPU ops")
     w = build_window(index, peaks, steps=steps, device_type=device_type)
     st = step_time_seconds or (w.wall_seconds / w.steps if w.steps and w.wall_seconds > 0 else None)
-    sugg = suggest(w, step_time_seconds=st, registry=registry) if st else []
-    return measure(w, top_k=top_k, step_time_seconds=st, suggestions=sugg, step=step, timestamp=timestamp)
+    sugg, combined = suggest_set(w, step_time_seconds=st, registry=registry) if st else ([], None)
+    return measure(w, top_k=top_k, step_time_seconds=st, suggestions=sugg, step=step, timestamp=timestamp,
+                   combined_gain=combined if sugg else None)
 
 
 def _positive(kind):
@@ -250,12 +251,18 @@ def render(wm: Any, title: str = "") -> str:
         ai = "" if o.arithmetic_intensity is None else f"{o.arithmetic_intensity:.3g}"
         t.add_row(o.op, o.bound, f"{o.share:.1%}", f"{o.time_seconds * 1e3 / max(wm.steps, 1):.3f}", str(o.kernels), ai)
     console.print(t)
-    t = Table(title="Suggestions (existing fixes first; gains of overlapping remedies are not additive)")
-    for c in ("kernel", "kind", "expected gain", "ms/step", "apply"):
-        t.add_column(c, justify="right" if c in ("expected gain", "ms/step") else "left")
+    t = Table(title="Suggestions (existing fixes first; alone = applied by itself, in set = on top of those above)")
+    for c in ("kernel", "kind", "alone", "in set", "ms/step", "apply"):
+        t.add_column(c, justify="right" if c in ("alone", "in set", "ms/step") else "left")
     for s in wm.suggestions:
-        t.add_row(s.kernel, s.kind, f"{s.expected_gain:.1%}", f"{s.time_seconds * 1e3:.3f}", s.apply)
+        in_set = (f"covered by {s.covered_by}" if s.covered_by else
+                  "" if s.gain_in_set is None else f"{s.gain_in_set:.1%}")
+        t.add_row(s.kernel, s.kind, f"{s.expected_gain:.1%}", in_set, f"{s.time_seconds * 1e3:.3f}", s.apply)
     console.print(t if wm.suggestions else "No suggestion with an expected gain of 0.5% or more.")
+    if wm.suggestions and wm.combined_gain is not None:
+        members = [s.kernel for s in wm.suggestions if not s.covered_by]
+        console.print(f"Combined gain of the set ({', '.join(members)}): {wm.combined_gain:.1%} of step time "
+                      f"(Amdahl over disjoint op time, not the sum of the parts)")
     return console.export_text().rstrip()
 
 

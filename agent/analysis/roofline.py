@@ -253,7 +253,7 @@ def infer_steps(index: TraceIndex) -> int:
 
 def measure(w: Window, *, top_k: int = 8, step_time_seconds: Optional[float] = None,
             suggestions: Optional[List[Suggestion]] = None, step: int = 0,
-            timestamp: Optional[float] = None) -> WindowMeasurement:
+            timestamp: Optional[float] = None, combined_gain: Optional[float] = None) -> WindowMeasurement:
     """The :class:`WindowMeasurement` of a classified window (breakdown, top ops, kernel stats)."""
     by_bound = {b: 0.0 for b in ("compute", "memory", "communication", "other")}
     per_label: Dict[Tuple[str, str], List[float]] = {}
@@ -284,4 +284,4 @@ def measure(w: Window, *, top_k: int = 8, step_time_seconds: Optional[float] = N
         wall_seconds=w.wall_seconds, busy_seconds=w.busy_seconds, breakdown=breakdown,
         memory_bound_share=breakdown["memory_bound"], top_ops=top_ops, suggestions=list(suggestions or []),
         kernels_per_step=n / w.steps if w.steps else 0.0, mean_kernel_seconds=(total_us * 1e-6 / n) if n else 0.0,
-        step_time_seconds=step_time_seconds)
+        step_time_seconds=step_time_seconds, combined_gain=combined_gain)

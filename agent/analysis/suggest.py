@@ -12,8 +12,12 @@ or at least ``FLOPs / peak`` when it keeps the ops' FLOPs (attention, autocast).
 matched time includes the backward ops autograd ran for the matched forward ops (linked
 by the ``Sequence number`` the profiler records on both). Remedies whose gain is below
 :data:`MIN_GAIN` are dropped; the rest are ranked existing fixes first, then bundled
-kernels, each by gain. Gains of overlapping remedies (``torch_compile`` covers the
-pointwise chains a drop-in also replaces) are alternatives, not additive.
+kernels, each by gain. The drop-ins reach the bandwidth fraction they were measured at
+(:func:`.gain_model.replacement_efficiency`); CUDA graphs gain only the idle gaps in which the GPU
+waited for a launch (:func:`.gain_model.host_bound_gaps`). Overlapping remedies (``torch_compile``
+fuses the ops a drop-in also replaces) are combined by :func:`suggest_set`: each suggestion's gain in
+the proposed set counts only time no earlier one claimed, and the set's combined gain is Amdahl over
+that disjoint time (docs/analyze.md, "How the gains are modelled").
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+from . import gain_model
 from .opcost import DTYPE_BYTES, MATMUL_OPS, VIEW_OPS
 from .roofline import Window
 from ..schema import Suggestion
@@ -41,6 +46,7 @@ class _Match:
     min_bytes: Optional[float] = None  # the replacement's minimal bytes; None: unknown anchor
     time_us: float = 0.0  # time the matched ops took
     replace_s: Optional[float] = None  # set directly by detectors: the replacement's seconds
+    elements: int = 0  # elements of the anchor tensor (for the drop-in's measured bandwidth fraction)
 
 
 class _Context:
@@ -96,7 +102,9 @@ class _Context:
                     lst.append(seq)
             if t == i:
                 self.tops.append(i)
-                if names[name_of[i]] not in VIEW_OPS and (w.device_type != "cpu" or self.bytes[i] > 0):
+                # a "view" op that launched GPU work copied (x.float() is aten::to, x.contiguous() a clone):
+                # it is part of the op stream (HF's loss upcasts the logits with .float() before cross_entropy)
+                if w.device_type != "cpu" or (names[name_of[i]] not in VIEW_OPS and self.bytes[i] > 0):
                     streams.setdefault(ix.op_thread[i], []).append(i)
         self.streams = [sorted(s, key=lambda i: ix.op_ts[i]) for s in streams.values()]
 
@@ -146,30 +154,57 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
             min_gain: float = MIN_GAIN) -> List[Suggestion]:
     """Suggestions for one window, ranked existing fixes first, then bundled kernels, each by gain.
 
+    Each suggestion's ``expected_gain`` is its gain applied alone; ``gain_in_set`` and ``covered_by``
+    say what it adds to the set the window proposes (:func:`proposal`, :func:`.gain_model.combine`).
+
     Args:
         w: the classified window (:func:`mfuwatch.agent.analysis.roofline.build_window`).
         step_time_seconds: step time (s) the gains are fractions of.
         registry: ``Remedy`` entries (default ``mfuwatch.kernels.remedies.REMEDIES``).
         min_gain: drop suggestions whose expected gain is below this fraction.
     """
+    out, _ = suggest_set(w, step_time_seconds=step_time_seconds, registry=registry, min_gain=min_gain)
+    return out
+
+
+#: Bundled drop-ins whose ops torch.compile (Inductor) fuses into its own kernels: after compile they add
+#: nothing (H200, docs/gpu-runs/hf_llama_e2e-run3.md call 4: compile 56.9 ms vs compile + all drop-ins
+#: 57.6 ms at V=32000, 77.6 vs 77.5 at V=128256; Inductor's kernel names show the fused ops, e.g.
+#: ``triton_poi_fused__unsafe_view_mul_silu``, ``triton_red_fused__to_copy_add_mean_mul_pow_rsqrt``).
+COMPILE_FUSES = frozenset({"rms_norm", "layer_norm", "rotary", "swiglu", "geglu", "cross_entropy"})
+
+
+def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Sequence] = None,
+                min_gain: float = MIN_GAIN) -> Tuple[List[Suggestion], float]:
+    """:func:`suggest`'s ranked list and the combined gain of the set it proposes (fraction of step time).
+
+    The set is the ranked suggestions in order, each counted for the op time (and host-bound idle time)
+    no earlier member claimed (Amdahl over disjoint time, :func:`.gain_model.combine`); members have
+    ``covered_by`` None. ``torch_compile`` also claims the ops of the drop-ins in :data:`COMPILE_FUSES`
+    (Inductor fuses them too) and the idle gaps next to its kernels (their launches go), so after it the
+    drop-ins and ``cuda_graphs`` are covered or count only what is left.
+    """
     from mfuwatch.kernels import remedies as reg
 
     remedies = reg.REMEDIES if registry is None else registry
     if step_time_seconds <= 0 or w.steps <= 0:
-        return []
+        return [], 0.0
     ctx = _Context(w)
     bw = w.bandwidth()
     claimed: Set[int] = set()
     out: List[Suggestion] = []
+    claims: Dict[str, gain_model.Claim] = {}
+    dropin_matches: Dict[str, List[_Match]] = {}
+    gaps: List[Tuple[float, int, int]] = [] if w.device_type == "cpu" else gain_model.host_bound_gaps(
+        w.kr_ts, w.kr_dur, w.index.k_launch_end, reg.MAX_LAUNCH_GAP_SECONDS * 1e6)
     for r in remedies:
         if r.bundled and w.device_type == "cpu":
             continue  # the bundled drop-ins are Triton kernels: patch() refuses them without CUDA
         if r.detector == "launch_bound":
             if w.device_type == "cpu":
                 continue
-            small = [g for g in w.gaps_us if g < reg.MAX_LAUNCH_GAP_SECONDS * 1e6]
-            matches = [_Match(time_us=sum(small), replace_s=0.0)] if small else []  # an upper bound
-            names = ["(GPU idle gaps < %d µs)" % round(reg.MAX_LAUNCH_GAP_SECONDS * 1e6)]
+            matches = [_Match(time_us=sum(g for g, _, _ in gaps), replace_s=0.0)] if gaps else []
+            names = ["(GPU idle gaps < %d µs waiting for a launch)" % round(reg.MAX_LAUNCH_GAP_SECONDS * 1e6)]
         elif r.detector == "fp32_matmul":
             matches, names = _fp32_matmuls(ctx, bw)
         else:
@@ -185,9 +220,14 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
             matches = [m for m in matches if m.min_bytes is not None]  # no shapes, no estimate
             for m in matches:
                 m.time_us = sum(ctx.time[t] for t in m.fwd + m.bwd)
-                m.replace_s = m.min_bytes / bw
+                eff = gain_model.replacement_efficiency(r.kernel, m.elements) if r.bundled else 1.0
+                m.replace_s = m.min_bytes / (bw * eff)
                 if r.keeps_flops:
                     m.replace_s = max(m.replace_s, sum(ctx.flop_s[t] for t in m.fwd + m.bwd))
+            if r.detector == "pointwise_chain":
+                matches = matches + _fused_by_compile(ctx, matches, dropin_matches)
+            elif r.kernel in COMPILE_FUSES:
+                dropin_matches[r.kernel] = matches
             names = sorted({ctx.name(t) for m in matches for t in m.fwd})
         if not matches:
             continue
@@ -199,13 +239,58 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
             continue
         out.append(Suggestion(kernel=r.kernel, title=r.title, apply=r.apply, ops=names, time_seconds=per_step,
                               expected_gain=min(gain, 1.0), kind="bundled" if r.bundled else "existing"))
+        claims[r.kernel] = _claim(ctx, r, matches, gaps, gain)
     total = sum(x.expected_gain for x in out)
     if total > 1.0:
         # Amdahl gains of disjoint ops cannot exceed the step; a larger sum means the step time given was
         # shorter than the window's own (e.g. measured outside the profiler). Scale them to fit in one step.
         out = [dataclasses.replace(x, expected_gain=x.expected_gain / total) for x in out]
+        for c in claims.values():
+            c.gain /= total
     out.sort(key=lambda s: (s.kind != "existing", -s.expected_gain))
-    return out
+    in_set, covered, combined = gain_model.combine([claims[s.kernel] for s in out], min_gain)
+    out = [dataclasses.replace(s, gain_in_set=in_set.get(s.kernel), covered_by=covered.get(s.kernel)) for s in out]
+    return out, combined
+
+
+def _claim(ctx: _Context, r, matches: List[_Match], gaps, gain: float) -> gain_model.Claim:
+    """What a suggestion removes, keyed for :func:`.gain_model.combine`."""
+    c = gain_model.Claim(kernel=r.kernel, gain=gain)
+    if r.detector == "launch_bound":
+        c.time_us = {("gap", nxt): g for g, _, nxt in gaps}
+        return c
+    if r.detector == "fp32_matmul":
+        c.time_us = {("fp32", i): m.time_us for i, m in enumerate(matches)}
+        return c
+    tops = {t for m in matches for t in m.fwd + m.bwd}
+    c.time_us = {("op", t): ctx.time[t] for t in tops}
+    if gaps:  # fusing ops removes their launches, and with them the host-bound gaps next to their kernels
+        top_of, kr_op = ctx.ix.op_top, ctx.w.kr_op
+        for g, prev, nxt in gaps:
+            for k in (prev, nxt):
+                op = kr_op[k]
+                if op >= 0 and top_of[op] in tops:
+                    c.also[("gap", nxt)] = g
+                    break
+    return c
+
+
+def _fused_by_compile(ctx: _Context, chains: List[_Match], dropins: Dict[str, List[_Match]]) -> List[_Match]:
+    """The drop-in matches of :data:`COMPILE_FUSES` outside compile's chains, as compile's own: Inductor fuses
+    them as well (silu·mul around a matmul, a lone norm), at the drop-in's replacement cost for the part of
+    their time the chains did not already claim."""
+    in_chains = {t for m in chains for t in m.fwd + m.bwd}
+    extra = []
+    for matches in dropins.values():
+        for m in matches:
+            tops = [t for t in m.fwd + m.bwd if t not in in_chains]
+            if not tops or m.time_us <= 0:
+                continue
+            left = sum(ctx.time[t] for t in tops)
+            in_chains.update(tops)
+            extra.append(_Match(fwd=[t for t in m.fwd if t in tops], bwd=[t for t in m.bwd if t in tops],
+                                min_bytes=m.min_bytes, time_us=left, replace_s=m.replace_s * left / m.time_us))
+    return extra
 
 
 def _anchor(ctx: _Context, r, tops: List[int]) -> Optional[Tuple[int, int, int]]:
@@ -227,7 +312,7 @@ def _finish(ctx: _Context, r, fwd: List[int], claimed: Set[int]) -> _Match:
     claimed.update(bwd)
     anchor = _anchor(ctx, r, fwd)
     mb = None if anchor is None else r.minimal_bytes(*anchor, backward=bool(bwd))
-    return _Match(fwd=list(fwd), bwd=bwd, min_bytes=mb)
+    return _Match(fwd=list(fwd), bwd=bwd, min_bytes=mb, elements=anchor[0] if anchor else 0)
 
 
 def _sequences(ctx: _Context, r, claimed: Set[int]) -> List[_Match]:

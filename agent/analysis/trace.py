@@ -234,6 +234,7 @@ class TraceIndex:
     k_corr: array = field(default_factory=lambda: array("q"))
     k_cat: array = field(default_factory=lambda: array("b"))
     k_op: array = field(default_factory=lambda: array("i"))
+    k_launch_end: array = field(default_factory=lambda: array("d"))  # end (µs) of the launch call; NaN unknown
     steps: List[Tuple[float, float]] = field(default_factory=list)  # ProfilerStep# (ts, dur)
     session: Optional[Tuple[float, float]] = None  # the "PyTorch Profiler (0)" span (ts, dur)
     start_us: float = float("inf")
@@ -247,6 +248,8 @@ class TraceIndex:
     _threads: Dict[tuple, int] = field(default_factory=dict, repr=False)
     _rt_corr: array = field(default_factory=lambda: array("q"), repr=False)
     _rt_ext: array = field(default_factory=lambda: array("q"), repr=False)
+    _rt_corr_all: array = field(default_factory=lambda: array("q"), repr=False)
+    _rt_end: array = field(default_factory=lambda: array("d"), repr=False)
 
     @classmethod
     def build(cls, events: Iterable[Dict[str, Any]]) -> "TraceIndex":
@@ -326,6 +329,9 @@ class TraceIndex:
         elif cat in _LAUNCH_CATEGORIES:
             self._extend(ts, ts + dur)
             ext, corr = _int(args.get("External id")), _int(args.get("correlation"))
+            if corr >= 0:
+                self._rt_corr_all.append(corr)
+                self._rt_end.append(ts + dur)
             if ext >= 0 and corr >= 0:
                 self._rt_corr.append(corr)
                 self._rt_ext.append(ext)
@@ -343,6 +349,7 @@ class TraceIndex:
         self._nest_ops()
         self._rt_corr = array("q")
         self._rt_ext = array("q")
+        self._rt_corr_all, self._rt_end = array("q"), array("d")
         self._sig_ids = {}
         self.op_ext = array("q")  # only needed for linking; frees 8 bytes per op
 
@@ -359,6 +366,10 @@ class TraceIndex:
             if e in wanted and (e not in ext_to_op or self.op_kind[i] == 0):
                 ext_to_op[e] = i
         self.k_op = array("i", (ext_to_op.get(e, -1) for e in self.k_ext))
+        # when each activity's launch call returned: a kernel that starts right after it waited for the host
+        corr_end = dict(zip(self._rt_corr_all, self._rt_end))
+        nan = float("nan")
+        self.k_launch_end = array("d", (corr_end.get(c, nan) for c in self.k_corr))
 
     def _nest_ops(self) -> None:
         import numpy as np

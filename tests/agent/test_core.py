@@ -278,7 +278,8 @@ def test_one_measurement_per_report_interval_even_when_one_poll_finds_many_steps
     assert [r["steps"] for r in seen] == [10, 10, 10, 5]
 
 
-def test_mfu_above_one_is_reported_with_one_warning(caplog):
+def test_mfu_above_one_is_not_exported_but_counted_and_warned_once(caplog):
+    # a peak 2x too small (1e12 FLOP/s for 2e12 FLOP per 1-s step): MFU 2.0 is impossible
     a = Agent(config=dict(BASE, flops_per_step=2e12, peak_flops=1e12, report_every_steps=1))
     now = install_fake_clock(a, start=True)
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
@@ -286,5 +287,12 @@ def test_mfu_above_one_is_reported_with_one_warning(caplog):
             now.t += 1.0
             a.step(tokens=8)
         a.close()
-    assert a.latest.mfu == pytest.approx(2.0)  # reported as measured, not clipped
-    assert sum("above 100%" in r.getMessage() for r in caplog.records) == 1
+    assert a.latest.mfu is None and a.latest.hfu is None  # withheld, as when the peak is unknown
+    assert a.latest.implausible == {"mfu": pytest.approx(2.0), "hfu": pytest.approx(2.0)}  # kept, not dropped
+    assert a.latest.model_flops_per_second == pytest.approx(2e12)
+    samples = {(s.name, s.labels.get("ratio")): s.value for fam in a.registry.collect() for s in fam.samples}
+    assert not any(name in ("mfuwatch_mfu_ratio", "mfuwatch_hfu_ratio") for name, _ in samples)
+    assert samples[("mfuwatch_implausible_ratio_total", "mfu")] == 3.0  # one per report: 3 one-second steps
+    assert samples[("mfuwatch_implausible_ratio_total", "hfu")] == 3.0
+    assert sum("MFU 2 (200%) is above 100%" in r.getMessage() for r in caplog.records) == 1
+    assert sum("HFU 2 (200%) is above 100%" in r.getMessage() for r in caplog.records) == 1

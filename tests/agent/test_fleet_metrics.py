@@ -69,6 +69,7 @@ def budget(top_k: int, suggestions: int, reasons: int) -> int:
         + 1 + 1  # goodput_ratio, straggler_score_ratio
         + 1  # hang_info (only while a step is stuck; counted as present)
         + 1 + 1  # phase_in_progress, last_phase_end_timestamp_seconds (0 before the first phase)
+        + 2 * 2  # implausible_ratio_total{ratio="mfu"|"hfu"} (+ _created): at 0 from the start
         + len(CATEGORIES) + 1 + top_k + suggestions + 2  # window: breakdown, memory-bound, ops, gains, 2 gauges
         + 11 + 1 + reasons + 1 + 2  # NVML gauges, energy counter, clock reasons, xid, ecc{type}
     )
@@ -118,7 +119,8 @@ def test_series_per_rank_stay_within_the_documented_budget():
             if k not in ("run", "rank", "job"):
                 values[(name, k)].add(v)
     bounds = {"category": len(CATEGORIES), "op": TOP_K, "bound": 4, "kernel": SUGGESTIONS, "bucket": len(BUCKETS),
-              "reason": len(CLOCK_EVENT_REASONS), "type": 2, "le": 23, "frame": 1, "collective": 1}
+              "reason": len(CLOCK_EVENT_REASONS), "type": 2, "le": 23, "frame": 1, "collective": 1,
+              "ratio": 2}  # implausible_ratio_total: mfu, hfu
     for (name, label), vals in values.items():
         if name == "mfuwatch_run_info":
             continue  # one series whatever its labels hold

@@ -13,7 +13,7 @@ from mfuwatch.alerts.validation import format_duration, parse_duration
 
 BUILTINS = {"MfuLow", "MfuRegression", "MemoryBoundDominant", "TrainingStalled", "GpuThrottling", "GpuXidErrors",
             "GpuEccErrors", "GpuMemoryPressure", "InputStall", "StragglerRank", "MfuAboveTensorActivity",
-            "MfuFarBelowTensorActivity"}
+            "MfuFarBelowTensorActivity", "MfuImplausible"}
 
 
 def test_defaults_have_every_builtin_rule_and_a_console_notifier():

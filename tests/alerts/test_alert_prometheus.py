@@ -62,6 +62,10 @@ CASES = {
                                 (f"mfuwatch_stall_seconds{{{S}}}", "2x20"),
                                 (f"mfuwatch_last_step_duration_seconds{{{S}}}", "1x20")],
                                "11m", "0", 0.5 - 0.4 * 1800 / 1980, "mfuwatch-gpu-health", "9m"),
+    # one report with an MFU above 1 at t=3m (withheld by the agent, counted): pages once it is counted
+    "MfuImplausible": ([(f'mfuwatch_implausible_ratio_total{{{S},ratio="mfu"}}', "0 0 0 1 1 1 1 1"),
+                        (f'mfuwatch_implausible_ratio_total{{{S},ratio="hfu"}}', "0 0 0 0 0 0 0 0")],
+                       "5m", "0", 1.0, "mfuwatch-training-mfu", "2m"),
     # MFU 0.05 against tensor active 0.8 at the full clock: 0.0625 of the bound for more than an hour
     "MfuFarBelowTensorActivity": ([(f"mfuwatch_mfu_ratio{{{S}}}", "0.05x70"),
                                    (f"mfuwatch_interval_tensor_active_bound_ratio{{{S}}}", "0.8x70"),

@@ -43,16 +43,21 @@ class TraceBuilder:
                             "ts": ts, "dur": dur, "args": {"External id": self._ext}})
 
     def kernel(self, name: str, ts: float, dur: float, *, ext: Optional[int] = None, cat: str = "kernel",
-               via_runtime: bool = False, stream: int = 7) -> None:
-        """Add a GPU activity launched by the op with External id ``ext`` (None: no launching op)."""
+               via_runtime: bool = False, stream: int = 7, launch_end: Optional[float] = None) -> None:
+        """Add a GPU activity launched by the op with External id ``ext`` (None: no launching op).
+
+        ``launch_end``: also add its ``cudaLaunchKernel`` (3 µs) returning at that time (µs)."""
         self._corr += 1
         args: Dict[str, Any] = {"device": 0, "stream": stream, "correlation": self._corr}
         if ext is not None and not via_runtime:
             args["External id"] = ext
-        if ext is not None and via_runtime:
+        if (ext is not None and via_runtime) or launch_end is not None:
+            end = ts - 2.0 if launch_end is None else launch_end
+            rt_args: Dict[str, Any] = {"correlation": self._corr}
+            if ext is not None:
+                rt_args["External id"] = ext
             self.events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": self.pid,
-                                "tid": 1, "ts": ts - 5.0, "dur": 3.0,
-                                "args": {"External id": ext, "correlation": self._corr}})
+                                "tid": 1, "ts": end - 3.0, "dur": 3.0, "args": rt_args})
         self.events.append({"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
                             "args": args})
 

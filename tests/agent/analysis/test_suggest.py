@@ -77,7 +77,9 @@ def test_rms_norm_written_out_matches_with_its_backward_and_exact_gain():
     fused = (2 * e * 4 + h * 4) + (3 * e * 4 + 2 * h * 4)
     assert fused == traffic.minimal_bytes("rms_norm", 1024, 1024, 4) + traffic.minimal_bytes(
         "rms_norm", 1024, 1024, 4, backward=True)
-    assert s.expected_gain == pytest.approx((120e-6 - fused / BW) / STEP, rel=1e-12)
+    # 1 M elements: below the smallest size measured (4096 x 2048), where the drop-in reached 66% of the
+    # bandwidth forward + backward (docs/gpu-runs/kernels-run8.md): the replacement takes fused / (0.66 BW)
+    assert s.expected_gain == pytest.approx((120e-6 - fused / (0.66 * BW)) / STEP, rel=1e-12)
 
 
 def test_torch_compile_covers_the_pointwise_chain_and_ranks_before_the_drop_in():

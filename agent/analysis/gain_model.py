@@ -1,0 +1,146 @@
+"""The parts of the expected-gain model that rest on measurements rather than on byte counts alone.
+
+:mod:`.suggest` estimates each remedy's gain as (time of the matched ops − time of the replacement)
+/ step time. Three things here make those estimates come true when the fixes are applied
+(docs/analyze.md, "How the gains are modelled", gives the measurements behind each):
+
+* :func:`replacement_efficiency`: the fraction of the bandwidth a bundled drop-in actually reaches
+  at the anchor's size (forward + backward, GPU time alone), from ``benchmarks/kernels.py`` on an
+  H200 (docs/gpu-runs/kernels-run8.md, "CUDA-graph replay" table). A replacement moving B bytes
+  takes B / (bandwidth × efficiency), not B / bandwidth: RMSNorm's backward (the ``dw`` column
+  reduction) reaches 66% of HBM bandwidth at 4096 × 2048, 88–93% from 8192 × 4096 up.
+* :func:`host_bound_gaps`: the GPU idle gaps CUDA graphs can recover are those where the GPU
+  waited for the host, i.e. the next activity's launch call returned after the GPU had gone idle.
+  A gap before an activity that was already queued (launched while the GPU was still busy) is the
+  device's own kernel-to-kernel latency, which a graph replay keeps.
+* :func:`combine`: the set of suggestions a window proposes and their combined gain, Amdahl over
+  disjoint op time: a suggestion's gain *in the set* counts only the time of ops no earlier member
+  already claimed; one left with under ``min_gain`` is shown as covered by the member that claimed
+  most of its time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+#: Fraction of the measured bandwidth each bundled kernel reached, forward + backward, by element count
+#: (rows × hidden) of its input: docs/gpu-runs/kernels-run8.md, "Timing — CUDA-graph replay" table (H200,
+#: bf16, torch 2.11, Triton 3.6), the mfuwatch column's percentage of HBM bandwidth. Between two sizes
+#: the fraction is interpolated in log(elements); outside them the nearest is used. Kernels without a
+#: row (rotary, cross_entropy) are taken to reach the bandwidth (1.0).
+EFFICIENCY: Dict[str, Tuple[Tuple[int, float], ...]] = {
+    "rms_norm": ((4096 * 2048, 0.66), (8192 * 4096, 0.88), (16384 * 4096, 0.92), (8192 * 8192, 0.89),
+                 (16384 * 8192, 0.93)),
+    "layer_norm": ((4096 * 2048, 0.60), (8192 * 4096, 0.80), (16384 * 4096, 0.79), (8192 * 8192, 0.79),
+                   (16384 * 8192, 0.84)),
+    "swiglu": ((8192 * 11008, 1.0), (16384 * 14336, 1.0)),
+    "geglu": ((8192 * 11008, 1.0), (16384 * 14336, 1.0)),
+}
+
+
+def replacement_efficiency(kernel: str, elements: int) -> float:
+    """Fraction (0, 1] of the bandwidth the drop-in ``kernel`` reaches on an input of ``elements``
+    elements (:data:`EFFICIENCY`; 1.0 for a kernel without measurements or ``elements <= 0``)."""
+    rows = sorted(EFFICIENCY.get(kernel, ()))
+    if not rows or elements <= 0:
+        return 1.0
+    sizes = [n for n, _ in rows]
+    i = bisect.bisect_left(sizes, elements)
+    if i == 0:
+        return rows[0][1]
+    if i == len(rows):
+        return rows[-1][1]
+    (n0, e0), (n1, e1) = rows[i - 1], rows[i]
+    if n1 == n0:
+        return max(e0, e1)
+    t = (math.log(elements) - math.log(n0)) / (math.log(n1) - math.log(n0))
+    return e0 + t * (e1 - e0)
+
+
+def host_bound_gaps(ts: Sequence[float], dur: Sequence[float], launch_end: Sequence[float],
+                    max_gap_us: float) -> List[Tuple[float, int, int]]:
+    """GPU idle gaps shorter than ``max_gap_us`` in which the GPU waited for the host.
+
+    Args:
+        ts, dur: start and duration (µs) of each GPU activity (any order).
+        launch_end: when each activity's launch call returned (µs; NaN unknown).
+        max_gap_us: only gaps shorter than this (longer ones are input stalls, syncs, not launches).
+    Returns:
+        ``[(recoverable µs, activity before, activity after)]``: for each gap between the union of the
+        activities before and the next activity, ``min(gap, launch_end(next) − gap start)`` when the launch
+        returned after the gap began (the GPU ran dry waiting for it); gaps where the next activity was
+        queued before the GPU went idle recover nothing. An unknown launch time counts the whole gap
+        (the old upper bound).
+    """
+    order = sorted(range(len(ts)), key=lambda k: ts[k])
+    out: List[Tuple[float, int, int]] = []
+    if not order:
+        return out
+    reach, last = ts[order[0]] + dur[order[0]], order[0]
+    for k in order[1:]:
+        gap = ts[k] - reach
+        if 0 < gap < max_gap_us:
+            le = launch_end[k]
+            if le != le:  # NaN: no launch event for it
+                out.append((gap, last, k))
+            elif le > reach:
+                out.append((min(gap, le - reach), last, k))
+        end = ts[k] + dur[k]
+        if end > reach:
+            reach, last = end, k
+    return out
+
+
+@dataclass
+class Claim:
+    """What one suggestion replaces, for :func:`combine`.
+
+    ``gain``: its gain alone (fraction of step time); ``time_us``: µs in the window of each thing its gain
+    comes from, keyed ``("op", top-level op id)`` for ops (forward and backward) and ``("gap", activity
+    index)`` for host-bound idle gaps; ``also``: what it removes besides, without counting it in its gain
+    (a fix that fuses or replaces ops removes their launches, and with them the host-bound gaps next to
+    their kernels: a later ``cuda_graphs`` cannot gain them again).
+    """
+
+    kernel: str
+    gain: float
+    time_us: Dict[object, float] = field(default_factory=dict)
+    also: Dict[object, float] = field(default_factory=dict)
+
+
+def combine(claims: Sequence[Claim], min_gain: float) -> Tuple[Dict[str, float], Dict[str, str], float]:
+    """Gains in the set, what covers what, and the combined gain (Amdahl over disjoint op time).
+
+    ``claims`` in ranking order. A claim's gain in the set = its gain × (time of its keys no earlier
+    member claimed) / (time of all its keys): the replacement is taken to shrink with the time left to
+    it. A claim whose gain in the set is below ``min_gain`` is not a member; it is covered by the member
+    that claimed most of its time (None when its own gain was the problem). Returns
+    ``(gain_in_set by kernel, covered_by by kernel, combined gain = Σ members' gains in the set)``.
+    """
+    owner: Dict[object, str] = {}
+    in_set: Dict[str, float] = {}
+    covered: Dict[str, str] = {}
+    for c in claims:
+        total = sum(c.time_us.values())
+        taken: Dict[str, float] = {}
+        for key, t in c.time_us.items():
+            o = owner.get(key)
+            if o is not None:
+                taken[o] = taken.get(o, 0.0) + t
+        left = total - sum(taken.values())
+        if left <= 1e-9 * total:  # all of it claimed already (summation leaves ~1e-16 residues)
+            left = 0.0
+        g = c.gain * (left / total) if total > 0 else c.gain
+        in_set[c.kernel] = max(0.0, g)
+        if g < min_gain and taken:
+            covered[c.kernel] = max(taken, key=taken.get)
+            continue
+        if g < min_gain:
+            continue
+        for key in (*c.time_us, *c.also):
+            owner.setdefault(key, c.kernel)
+    combined = sum(g for k, g in in_set.items() if k not in covered and g >= min_gain)
+    return in_set, covered, min(combined, 1.0)
