@@ -171,7 +171,7 @@ def test_failure_logs_say_what_failed_where_and_what_happens_next(monkeypatch, c
     message; with max_retries: 2 the line still promised `retried until delivered`."""
     import time
 
-    from helpers.receiver import free_port
+    from helpers.net import free_port
 
     monkeypatch.setenv("MFUWATCH_TEST_CLOSING_URL", f"http://127.0.0.1:{free_port()}/hook")  # nobody listens
     monkeypatch.setenv("MFUWATCH_TEST_OG_KEY", "og-key-42")
