@@ -13,9 +13,9 @@ dtype (PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs
 
 ``Agent`` is composed of one mixin per concept, each in its own module:
 :class:`~.lifecycle.Lifecycle` (start-up and close of the components),
-:class:`~.hooks.TrainingHooks` (the training-thread hooks and ``step()``),
-:class:`~.agent_thread.AgentThread` (the agent thread's loop and reports) and
-:class:`~.mfu_peak.MfuPeak` (the MFU denominator). This module holds the state they
+:class:`~.live.hooks.TrainingHooks` (the training-thread hooks and ``step()``),
+:class:`~.live.reporter.AgentThread` (the agent thread's loop and reports) and
+:class:`~.device.peak_choice.MfuPeak` (the MFU denominator). This module holds the state they
 share, set in ``__init__``, and the public entry points.
 """
 
@@ -29,19 +29,19 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import flops as flops_mod
-from . import peaks
-from .agent_thread import AgentThread
+from .flops import model as flops_mod
+from .device import peaks
+from .live.reporter import AgentThread
 from .config import AgentConfig, ConfigError, load_config  # noqa: F401  (ConfigError: raised by Agent())
 from .errors import ErrorCounter
-from .exporter import Exporter
-from .fleet import FleetAccounting
-from .hooks import TrainingHooks, count_tokens  # noqa: F401  (count_tokens: public, used by integrations)
-from .job import job_labelled_view, resolve_job
+from .live.exporter import Exporter
+from .fleet.accounting import FleetAccounting
+from .live.hooks import TrainingHooks, count_tokens  # noqa: F401  (count_tokens: public, used by integrations)
+from .fleet.job import job_labelled_view, resolve_job
 from .lifecycle import Lifecycle
-from .mfu_peak import MfuPeak
+from .device.peak_choice import MfuPeak
 from .schema import RunInfo, StepMeasurement, WindowMeasurement
-from .timeline import Timeline
+from .live.timeline import Timeline
 
 
 class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
@@ -94,7 +94,7 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
             dtype=self._dtype_key or "", flops_source=self.flop_model.source,
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
-        self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/job.py)
+        self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/fleet/job.py)
         self._peak: Optional[float] = None
         self._peak_warned = False
         self._run_info_dirty = False
@@ -109,7 +109,7 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self.registry = self.exporter.registry
         self.exporter.exposed_registry = job_labelled_view(self.exporter.exposed_registry, self.run_info.job)
         self._sd_target = None
-        self.otlp = None  # fleet: optional OTLP export of the same series (agent/otlp.py)
+        self.otlp = None  # fleet: optional OTLP export of the same series (agent/live/otlp.py)
         self.fleet: Optional[FleetAccounting] = None  # fleet: counters, goodput, phases, hang watchdog
         self.nvml = None
         self.profiler = None

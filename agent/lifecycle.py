@@ -21,11 +21,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .agent_thread import _ReportSums
-from .clock import StepClock
+from .live.reporter import _ReportSums
+from .live.clock import StepClock
 from .config import ConfigError
-from .fleet import FleetAccounting
-from .timeline import Timeline
+from .fleet.accounting import FleetAccounting
+from .live.timeline import Timeline
 
 log = logging.getLogger("mfuwatch")
 
@@ -67,7 +67,7 @@ class Lifecycle:
                 self.errors.count("exporter", exc)
         if cfg.otlp_endpoint:
             try:
-                from .otlp import OtlpBridge
+                from .live.otlp import OtlpBridge
 
                 self.otlp = OtlpBridge(self.exporter.exposed_registry, endpoint=cfg.otlp_endpoint)
             except ImportError as exc:
@@ -98,7 +98,7 @@ class Lifecycle:
 
         self._install_hooks(model, optimizer)
         # the run record goes first once the dtype and peak settle (the first forward); the timeline holds
-        # what comes before it, such as the attempt record (agent/timeline.py)
+        # what comes before it, such as the attempt record (agent/live/timeline.py)
         self.timeline.start_header(self._run_record)
         if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
             self._write(self.fleet.attempt_record())
@@ -147,7 +147,7 @@ class Lifecycle:
         if not self.config.nvml or self.device.type != "cuda":
             return
         try:
-            from .nvml import NvmlSampler
+            from .device.nvml import NvmlSampler
 
             self.nvml = NvmlSampler(torch_device=self.device, interval_seconds=self.config.nvml_interval_seconds,
                                     on_sample=self._on_gpu_sample, on_error=self.errors.count)
@@ -180,7 +180,7 @@ class Lifecycle:
         if not pe.enabled:
             return
         try:
-            from .profiler import ProfilerSampler
+            from .live.profiler import ProfilerSampler
 
             self.profiler = ProfilerSampler(
                 every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,

@@ -65,8 +65,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402,F401  (imported before any agent: its save/load get hooked)
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from mfuwatch.agent import Agent, op_flops  # noqa: E402
-from mfuwatch.agent.timeline import read_timeline  # noqa: E402
+from mfuwatch.agent import Agent
+from mfuwatch.agent.flops import op_flops  # noqa: E402
+from mfuwatch.agent.live.timeline import read_timeline  # noqa: E402
 
 CPU_PEAK = 1e11  # nominal FLOP/s on the CPU: MFU there is only compared with the truth, never read as a figure
 PARTS = ("mfu", "straggler", "hang", "goodput", "overhead")

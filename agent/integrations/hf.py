@@ -81,7 +81,7 @@ class MFUWatchCallback(TrainerCallback):
             self._patched = True
             self.patch_report = _common.apply_kernel_patch(model, self.patch_kernels)
         try:
-            from ..architectures import from_model
+            from ..flops.architectures import from_model
 
             self._init_arch = from_model(model)  # unsharded weights: read before a sharding wrapper flattens them
         except Exception as exc:  # noqa: BLE001 - the agent reads or counts the model at train begin

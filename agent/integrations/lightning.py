@@ -45,7 +45,7 @@ PRECISION_DTYPES = {
 
 def find_transformer(module: Any) -> Any:
     """``module`` or its first submodule whose Hugging Face ``config`` gives layers and width; else ``module``."""
-    from ..flops import shape_from_hf_config
+    from ..flops.model import shape_from_hf_config
 
     for m in module.modules():
         cfg = getattr(m, "config", None)
@@ -98,7 +98,7 @@ class MFUWatchCallback(Callback):
         if self.patch_kernels and self.patch_report is None:
             self.patch_report = _common.apply_kernel_patch(pl_module, self.patch_kernels)
         try:
-            from ..architectures import from_model
+            from ..flops.architectures import from_model
 
             self._setup_arch = from_model(self.model or find_transformer(pl_module))  # before any sharding
         except Exception as exc:  # noqa: BLE001 - the agent reads or counts the model itself

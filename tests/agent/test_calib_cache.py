@@ -5,8 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import calibrate as peak_table
-from mfuwatch.agent.calib_cache import shared_value
+from mfuwatch.agent.device import calibrate as peak_table
+from mfuwatch.agent.device.calib_cache import shared_value
 
 
 def _rank(key, cache, q):
@@ -53,7 +53,7 @@ def test_agents_of_two_cpu_ranks_report_the_same_peak(tmp_path, monkeypatch):
 def test_window_calibration_of_cpu_ranks_is_shared(tmp_path, monkeypatch):
     import torch
 
-    from mfuwatch.agent import profiler as profiler_mod
+    from mfuwatch.agent.live import profiler as profiler_mod
 
     monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(profiler_mod, "_CPU_PEAKS", None)

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mfuwatch.agent import Agent, watch
 from mfuwatch.agent.core import count_tokens
 from mfuwatch.agent.demo import DemoLM, DemoShape
-from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
+from mfuwatch.agent.flops.model import analytic_flops_per_token, count_matmul_params
 from tests.helpers.integration_fixtures import install_fake_clock
 
 BASE = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="t")
@@ -118,7 +118,7 @@ def test_injected_failure_does_not_reach_training_loop(monkeypatch, caplog):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr("mfuwatch.agent.hooks.count_tokens", boom)
+    monkeypatch.setattr("mfuwatch.agent.live.hooks.count_tokens", boom)
     monkeypatch.setattr(a.exporter, "observe_steps", boom)
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         for _ in range(4):

@@ -10,7 +10,7 @@ from torch.utils import _python_dispatch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import op_flops
+from mfuwatch.agent.flops import op_flops
 from mfuwatch.agent.demo import DemoLM, DemoShape
 from mfuwatch.agent.schema import GpuHealth
 from tests.helpers.integration_fixtures import install_fake_clock
@@ -132,7 +132,7 @@ def test_a_formula_that_raises_in_the_counted_step_does_not_reach_training(monke
 
 
 def test_a_finish_that_fails_still_switches_the_counter_off(monkeypatch):
-    from mfuwatch.agent import flops
+    from mfuwatch.agent.flops import model as flops
 
     real = flops._safe_flop_counter_mode
 
@@ -217,7 +217,7 @@ def test_causal_option_and_breakdown_of_an_unknown_model():
 
 def test_an_architecture_read_before_wrapping_is_adopted():
     # the framework integrations read the model before FSDP (1) flattens it, then hand the reading over
-    from mfuwatch.agent import architectures as A
+    from mfuwatch.agent.flops import architectures as A
 
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))

@@ -16,14 +16,14 @@ def _modules_after(statement: str) -> list:
 
 
 def test_the_live_agent_loads_neither_the_offline_analysis_nor_the_report():
-    mods = _modules_after("import mfuwatch.agent.core, mfuwatch.agent.profiler")
+    mods = _modules_after("import mfuwatch.agent.core, mfuwatch.agent.live.profiler")
     assert not [m for m in mods if m.startswith(("mfuwatch.agent.analysis", "mfuwatch.agent.report", "plotly"))]
 
 
 @pytest.mark.parametrize("module", ["mfuwatch.agent.analysis.analyze", "mfuwatch.agent.report.html"])
 def test_analysis_and_report_load_neither_torch_nor_the_live_agent(module):
     mods = _modules_after(f"import {module}")
-    live = ("mfuwatch.agent.core", "mfuwatch.agent.profiler", "mfuwatch.agent.exporter", "mfuwatch.agent.nvml")
+    live = ("mfuwatch.agent.core", "mfuwatch.agent.live.profiler", "mfuwatch.agent.live.exporter", "mfuwatch.agent.device.nvml")
     assert "torch" not in mods and not [m for m in mods if m in live]
 
 
@@ -61,7 +61,7 @@ def _agent_import_graph() -> dict:
 
 def test_agent_modules_import_without_cycles():
     graph = _agent_import_graph()
-    assert {"core", "lifecycle", "hooks", "agent_thread", "mfu_peak"} <= set(graph)
+    assert {"core", "lifecycle", "live.hooks", "live.reporter", "device.peak_choice"} <= set(graph)
     state: dict = {}
 
     def visit(m, path):
@@ -76,5 +76,5 @@ def test_agent_modules_import_without_cycles():
     for m in sorted(graph):
         visit(m, [])
     # the Agent's parts are imported by core, never the other way round
-    for part in ("lifecycle", "hooks", "agent_thread", "mfu_peak"):
+    for part in ("lifecycle", "live.hooks", "live.reporter", "device.peak_choice"):
         assert "core" not in graph[part]

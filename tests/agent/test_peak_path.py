@@ -1,5 +1,5 @@
 """One peak path: the agent, the profiler window's child process and `mfuwatch analyze` get the same
-:class:`Peaks` for the same GPU from :func:`mfuwatch.agent.peaks.resolve_peaks`, PCI id first."""
+:class:`Peaks` for the same GPU from :func:`mfuwatch.agent.device.peaks.resolve_peaks`, PCI id first."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent.analysis.analyze import main as analyze_main
-from mfuwatch.agent.peaks import Peaks, resolve_peaks
-from mfuwatch.agent.profiler import ProfilerSampler
+from mfuwatch.agent.device.peaks import Peaks, resolve_peaks
+from mfuwatch.agent.live.profiler import ProfilerSampler
 from tests.helpers.traces import TRACES
 
 LLAMA = str(TRACES / "llama_bf16_eager.json.gz")  # its deviceProperties name is "NVIDIA H200"

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from mfuwatch.agent.schema import StepMeasurement, to_record
-from mfuwatch.agent.timeline import Timeline, read_timeline
+from mfuwatch.agent.live.timeline import Timeline, read_timeline
 
 
 def test_round_trip_and_nan(tmp_path):

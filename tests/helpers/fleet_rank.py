@@ -1,8 +1,8 @@
 """One simulated rank for the fleet scale test: a step loop with controlled step times and the real exporter.
 
 Runs the agent's own metric path without torch (32 processes must fit a 2-core CI machine): the
-:class:`~mfuwatch.agent.exporter.Exporter` with its `job`-labelled view, the
-:class:`~mfuwatch.agent.fleet.FleetAccounting` (FLOP and step-time counters, goodput, hang watchdog,
+:class:`~mfuwatch.agent.live.exporter.Exporter` with its `job`-labelled view, the
+:class:`~mfuwatch.agent.fleet.accounting.FleetAccounting` (FLOP and step-time counters, goodput, hang watchdog,
 straggler score) and the agent's file-SD target file, fed exactly as ``Agent`` feeds them: a forward
 start and a boundary per step on this (the "training") thread, intervals and report measurements after.
 
@@ -26,11 +26,11 @@ from types import SimpleNamespace
 
 from mfuwatch.agent.config import load_config
 from mfuwatch.agent.errors import ErrorCounter
-from mfuwatch.agent.exporter import Exporter
-from mfuwatch.agent.fleet import FleetAccounting
-from mfuwatch.agent.job import job_labelled_view, resolve_job
+from mfuwatch.agent.live.exporter import Exporter
+from mfuwatch.agent.fleet.accounting import FleetAccounting
+from mfuwatch.agent.fleet.job import job_labelled_view, resolve_job
 from mfuwatch.agent.schema import RunInfo, StepMeasurement
-from mfuwatch.agent.timeline import Timeline
+from mfuwatch.agent.live.timeline import Timeline
 
 try:  # the layout engineer moves it to agent/distributed.py
     from mfuwatch.agent.distributed import FileSDTarget  # type: ignore

@@ -20,7 +20,7 @@ import yaml
 from helpers.receiver import AlertReceiver
 from prometheus_client.parser import text_string_to_metric_families
 
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 
 RUN = "torchrun-ci"
 

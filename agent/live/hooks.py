@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from . import peaks
+from ..device import peaks
 
 log = logging.getLogger("mfuwatch")
 
@@ -159,13 +159,13 @@ class TrainingHooks:
         Raises:
             ValueError: an unknown phase name (the message lists the accepted ones).
         """
-        from .goodput import phase_bucket
+        from ..fleet.goodput import phase_bucket
 
         bucket = phase_bucket(name)  # a typo fails at the call, naming the accepted names
         fleet = self.fleet
         if fleet is None or self._closed:
             return contextlib.nullcontext()
-        from .fleet import Phase
+        from ..fleet.accounting import Phase
 
         return Phase(fleet, name, bucket)
 

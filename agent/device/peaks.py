@@ -8,7 +8,7 @@ where the row lists one, else by its name (:func:`lookup`); a GPU missing from t
 gets no peak, and one warning that names it and says how to pass ``peak_flops`` or
 ``calibrate=True``: the agent never borrows another GPU's numbers.
 
-:mod:`mfuwatch.agent.calibrate` measures instead of looking up (``calibrate=True``, the CPU
+:mod:`mfuwatch.agent.device.calibrate` measures instead of looking up (``calibrate=True``, the CPU
 demo, profiler windows without a table row). Usage::
 
     from mfuwatch.agent import peaks
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: The keys a :class:`Peaks` may hold: the table's, and "fp64" (given by flags; the table has no fp64 column).
 PEAK_KEYS = DTYPES + ("fp64",)
-TABLE_PATH = Path(__file__).resolve().parent / "data" / "gpus.yaml"
+TABLE_PATH = Path(__file__).resolve().parent.parent / "data" / "gpus.yaml"
 _NVIDIA_VENDOR_ID = 0x10DE
 _warned: set = set()  # (kind, name) pairs already warned about, so each warning appears once
 

@@ -311,7 +311,7 @@ class FlopModel:
     """
 
     def __init__(self, model: Optional[nn.Module], config: Any, errors: Any) -> None:
-        from .config import ConfigError
+        from ..config import ConfigError
 
         self.model, self.config, self.errors = model, config, errors
         self.source = ""
@@ -509,7 +509,7 @@ class FlopModel:
 
     def _counted_line(self, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
         """FlopCounterMode on a meta-device rebuild from ``model.config``, beside the analytic value."""
-        from . import flops_cli
+        from . import cli as flops_cli
         from .architectures import Lengths
 
         cfg = getattr(self.model, "config", None)
@@ -553,7 +553,7 @@ def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_le
             return "\n".join(lines + ["no training forward seen yet: sequence length unknown"])
         units = fm.arch.units_per_sequence(lengths)
         seqs = (tokens_per_step / units) if (tokens_per_step and units) else 1.0
-        from .flops_cli import lengths_text
+        from .cli import lengths_text
 
         what = lengths_text(lengths, fm.arch.family, seqs)
         lines.append(f"family: {fm.arch.family} ({fm.arch.model_type}); {what}")

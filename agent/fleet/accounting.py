@@ -6,7 +6,7 @@ One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fl
   ``mfuwatch_model_flops_total``, ``mfuwatch_hardware_flops_total`` (FLOPs of the
   steps measured so far) and ``mfuwatch_step_seconds_total`` (device time of the
   timed steps), beside ``steps_total``/``tokens_total``;
-* goodput (:mod:`mfuwatch.agent.goodput`): ``mfuwatch_goodput_seconds_total{bucket}``
+* goodput (:mod:`mfuwatch.agent.fleet.goodput`): ``mfuwatch_goodput_seconds_total{bucket}``
   and ``mfuwatch_goodput_ratio``;
 * ``agent.phase("eval")`` / ``agent.phase("checkpoint")``: the phase's time goes to
   its goodput bucket, is left out of step time (the step clock restarts at the
@@ -14,11 +14,11 @@ One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fl
   hang watchdog; ``mfuwatch_phase_in_progress`` (1 while a phase is open) and
   ``mfuwatch_last_phase_end_timestamp_seconds`` let the Prometheus ``TrainingStalled``
   rules pause and restart their stall clock the same way;
-* the hang watchdog (:mod:`mfuwatch.agent.watchdog`): ``mfuwatch_hangs_total``,
+* the hang watchdog (:mod:`mfuwatch.agent.fleet.watchdog`): ``mfuwatch_hangs_total``,
   ``mfuwatch_hang_info{frame}`` while a step is stuck, ``hang`` timeline records, and the
   report handed to the in-process alert engine (``observe_hang``; plus ``stall_probe``, so a
   ``TrainingStalled`` that fires before the watchdog judges still says where the thread waits);
-* the straggler score (:mod:`mfuwatch.agent.straggler`): ``mfuwatch_straggler_score_ratio``;
+* the straggler score (:mod:`mfuwatch.agent.fleet.straggler`): ``mfuwatch_straggler_score_ratio``;
 * lost progress after a restart, from the run's own timeline.
 
 Training-thread calls (:meth:`forward_start`, :meth:`boundary`, phases) cost a
@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector
 
 from . import checkpoint_hooks
 from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo, tail_records
-from .schema import M
+from ..schema import M
 from .straggler import StragglerScore
 from .watchdog import HangReport, HangWatchdog, last_nccl_collective, thread_stack
 

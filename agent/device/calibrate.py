@@ -1,7 +1,7 @@
 """Measured peaks: a large matmul's FLOP/s and a large copy's bandwidth, for devices without a table row.
 
 Used by ``calibrate=True`` (the MFU denominator), the CPU demo and profiler windows on a device the
-peak table (:mod:`mfuwatch.agent.peaks`) does not list. Each call blocks (one host-device sync) and
+peak table (:mod:`mfuwatch.agent.device.peaks`) does not list. Each call blocks (one host-device sync) and
 is meant for start-up only. torch is imported inside the functions.
 """
 

@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .clock import Interval
-from .schema import GpuHealth, StepMeasurement, WindowMeasurement, to_record
+from ..schema import GpuHealth, StepMeasurement, WindowMeasurement, to_record
 
 log = logging.getLogger("mfuwatch")
 #: the console progress line's logger; with logging unconfigured its lines go to stderr (:func:`emit_progress`)
@@ -89,7 +89,7 @@ class AgentThread:
 
     Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``, ``_last_gpu_write``,
     ``_last_progress``, ``_mfu_warned``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
-    watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs
+    watermark (:meth:`~mfuwatch.agent.live.timeline.Timeline.advance`) and writes its run record; runs
     until ``_stop`` is set, then reports once more.
     """
 
