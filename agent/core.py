@@ -14,13 +14,14 @@ dtype (PaLM, Chowdhery et al. 2022, appendix B); HFU uses executed FLOPs
 ``Agent`` is composed of one mixin per concept, each in its own module:
 :class:`~.lifecycle.Lifecycle` (start-up and close of the components),
 :class:`~.live.hooks.TrainingHooks` (the training-thread hooks and ``step()``),
-:class:`~.live.reporter.AgentThread` (the agent thread's loop and reports) and
-:class:`~.device.peak_choice.MfuPeak` (the MFU denominator). This module holds the state they
-share, set in ``__init__``, and the public entry points.
+:class:`~.live.reporter.AgentThread` (the agent thread's loop and reports); the MFU denominator
+is :func:`~.device.peak_choice.choose_mfu_peak`'s. This module holds the state they share, set in
+``__init__``, and the public entry points.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -39,12 +40,15 @@ from .fleet.accounting import FleetAccounting
 from .live.hooks import TrainingHooks, count_tokens  # noqa: F401  (count_tokens: public, used by integrations)
 from .fleet.job import job_labelled_view, resolve_job
 from .lifecycle import Lifecycle
-from .device.peak_choice import MfuPeak
+from .device import calibrate
+from .device.peak_choice import PeakSettings, choose_mfu_peak
 from .schema import RunInfo, StepMeasurement, WindowMeasurement
 from .live.timeline import Timeline
 
+log = logging.getLogger("mfuwatch")
 
-class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
+
+class Agent(Lifecycle, TrainingHooks, AgentThread):
     """Live MFU/HFU/tokens-per-second for one training process, exported to Prometheus.
 
     Args:
@@ -82,6 +86,7 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
         self._seq_len: Optional[int] = None
         self._pending_loss: Any = None
         self._dtype_key: Optional[str] = cfg.dtype
+        self._dtype_detected = False  # a training forward has shown the dtype
         self._explicit_warned = False
         self._clock_started = False
 
@@ -140,6 +145,54 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
             except Exception as exc:  # noqa: BLE001
                 self.errors.count("device", exc)
         return ""
+
+    # ------------------------------------------------------------------ peak FLOP/s
+    def _calibration_share(self) -> Optional[str]:
+        """The scope in which CPU ranks of one job share calibrations (``"<run>|<host>"``), else None."""
+        if self.config.world_size > 1 and self.device.type == "cpu":
+            return f"{self.config.run}|{socket.gethostname()}"
+        return None
+
+    def _resolve_gpu_peaks(self) -> None:
+        """The GPU's :class:`peaks.Peaks` from the one resolver (NVML PCI id first, else the CUDA name).
+
+        A GPU missing from the table gets ``None`` and one warning, unless ``peak_flops`` or
+        ``calibrate`` gives the MFU denominator anyway. Failures are counted under ``peak``.
+        """
+        if self.device.type != "cuda":
+            return
+        cfg = self.config
+        try:
+            nv = self.nvml
+            self.gpu_peaks = peaks.resolve_peaks(self.run_info.gpu_name or None,
+                                                 getattr(nv, "pci_device_id", None) if nv is not None else None,
+                                                 warn=cfg.peak_flops is None and not cfg.calibrate)
+            if self.gpu_peaks is not None:
+                self.run_info.peak_memory_bandwidth_bytes_per_second = self.gpu_peaks.memory_bandwidth_bytes_per_second
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("peak", exc)
+
+    def _choose_mfu_peak(self) -> None:
+        """Set the peak for the training dtype known now (start-up, and the training thread when the dtype
+        is first seen or changes): :func:`choose_mfu_peak`, calibrating through :func:`calibrate.measured`."""
+        cfg = self.config
+        try:
+            settings = PeakSettings(cfg.peak_flops, cfg.calibrate, self.device.type, self.model is not None)
+            share = self._calibration_share()
+            value, source = choose_mfu_peak(settings, self._dtype_key, self.gpu_peaks,
+                                            lambda key: calibrate.measured(self.device, key, share))
+            if source == "none" and not self._peak_warned:
+                self._peak_warned = True
+                log.warning("mfuwatch: no peak FLOP/s for device %s: MFU is not reported; pass calibrate=True "
+                            "or peak_flops=<FLOP/s>", self.device)
+            if value or (self._peak is not None and source):  # a new dtype without a peak clears the old one
+                self._peak = float(value) if value else None
+                self.run_info.peak_flops_per_second = self._peak
+                self.run_info.peak_source = source
+                self.run_info.dtype = self._dtype_key or self.run_info.dtype
+                self._run_info_dirty = True  # the agent thread writes an updated "run" record to the timeline
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("peak", exc)
 
     # ------------------------------------------------------------------ FLOPs
     def flops_per_step(self, tokens_per_step: float) -> tuple:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 import weakref
 from typing import Any, Optional
@@ -186,8 +185,7 @@ class Lifecycle:
                 every_steps=pe.steps, every_seconds=pe.seconds, warmup_steps=self.config.profile_warmup_steps,
                 active_steps=self.config.profile_active_steps, device=self.device, peaks=self.gpu_peaks,
                 top_k=self.config.top_k_ops, on_window=self._on_window, on_error=self.errors.count,
-                shared_key=(f"window|{self.config.run}|{socket.gethostname()}"
-                            if self.config.world_size > 1 and self.device.type == "cpu" else None),
+                shared_key=self._calibration_share(),
                 on_outcome=self.exporter.count_window,  # ok, error, skipped_other_profiler, too_large
             )
         except Exception as exc:  # noqa: BLE001

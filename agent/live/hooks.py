@@ -84,8 +84,8 @@ class TrainingHooks:
             if self._step == 0 and not self._clock_started:
                 self._clock_started = True
                 self.clock.start()  # time the first step from its first forward
-            if self._dtype_key is None:
-                self._detect_dtype(module)
+            if self.config.dtype is None:  # a configured dtype is final
+                self._detect_dtype(module)  # the first forward shows the dtype; a change re-chooses the peak
             self.flop_model.on_forward_start(args, kwargs, self._step)  # never raises
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
@@ -107,10 +107,15 @@ class TrainingHooks:
             autocast_dtype = None
         p = next(module.parameters(), None)
         param_dtype = p.dtype if p is not None else torch.float32
-        self._dtype_key = peaks.training_dtype_key(param_dtype, autocast_dtype, dev == "cuda" and peaks.torch_allows_tf32())
-        self.run_info.dtype = self._dtype_key
+        key = peaks.training_dtype_key(param_dtype, autocast_dtype, dev == "cuda" and peaks.torch_allows_tf32())
+        if key == self._dtype_key and self._dtype_detected:
+            return
+        self._dtype_detected = True
+        changed = key != self._dtype_key
+        self._dtype_key = key
+        self.run_info.dtype = key
         self._run_info_dirty = True
-        if self._peak is None:
+        if changed or self._peak is None:
             self._choose_mfu_peak()
 
     def _post_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -55,7 +55,6 @@ log = logging.getLogger("mfuwatch")
 
 #: Relative step-time increase after a window, sustained over 16 steps, reported as a lasting slowdown.
 LASTING_SLOWDOWN = 0.10
-_CPU_PEAKS: Optional[Peaks] = None  # one CPU calibration per process
 
 
 class ProfilerSampler:
@@ -74,8 +73,8 @@ class ProfilerSampler:
         on_error: ``on_error("profiler", exc)`` for every failure (never raised to the caller).
         max_trace_bytes: larger exported traces are not analysed (default 1 GiB).
         analyze_timeout_seconds: the child is killed after this long (default 300 s).
-        shared_key: when set (CPU ranks of one job), the CPU calibration is shared through
-            :func:`mfuwatch.agent.device.calib_cache.shared_value` under this key.
+        shared_key: when set (CPU ranks of one job: ``"<run>|<host>"``), a calibration is shared by
+            the ranks on this host (:func:`mfuwatch.agent.device.calibrate.measured`).
         on_outcome: optional ``on_outcome(outcome)`` per window, outcome one of "ok", "error",
             "skipped_other_profiler", "skipped_busy", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
             the same counts are kept in :attr:`windows`.
@@ -370,35 +369,19 @@ class ProfilerSampler:
         return dataclasses.replace(p, fp32_matmul="tf32" if tf32 else "fp32")
 
     def _find_peaks(self) -> Peaks:
-        """No peaks given: the peak table by CUDA device name, else a calibration (blocks, once)."""
+        """No peaks given: the peak table by CUDA device name, else a calibration (blocks, once per process;
+        the CPU ranks of one job share one, :func:`~mfuwatch.agent.device.calibrate.measured`)."""
         import torch
 
-        from ..device import peaks as table
-        from ..device.calibrate import calibrate_bandwidth, calibrate_matmul
+        from ..device.calibrate import calibrated_peaks
+        from ..device.peaks import resolve_peaks
 
         if self.cuda:
-            found = table.resolve_peaks(name=torch.cuda.get_device_name(self.device), warn=False)
+            found = resolve_peaks(name=torch.cuda.get_device_name(self.device), warn=False)
             if found is not None:
                 return found
-            bw = calibrate_bandwidth(self.device)
-            return Peaks(peak_flops={k: calibrate_matmul(self.device, k) for k in ("fp32", "bf16", "fp16")},
-                         memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
-                         source="calibrated")
-        global _CPU_PEAKS
-        if _CPU_PEAKS is None:
-            measure_bw = lambda: calibrate_bandwidth(self.device)  # noqa: E731
-            measure_mm = lambda: calibrate_matmul(self.device, "fp32")  # noqa: E731
-            if self._shared_key:  # the CPU ranks of one job classify windows against one calibration
-                from ..device.calib_cache import shared_value
-
-                bw = shared_value(self._shared_key + "|bandwidth", measure_bw)
-                mm = shared_value(self._shared_key + "|fp32 matmul", measure_mm)
-            else:
-                bw, mm = measure_bw(), measure_mm()
-            _CPU_PEAKS = Peaks(peak_flops={"fp32": mm},
-                               memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
-                               name="cpu", source="calibrated")
-        return _CPU_PEAKS
+            return calibrated_peaks(self.device, ("fp32", "bf16", "fp16"), self._shared_key)
+        return calibrated_peaks(self.device, ("fp32",), self._shared_key)
 
     def close(self, wait_seconds: float = 0.8) -> None:
         """Stop any window; give a running analysis up to ``wait_seconds`` to finish and deliver its

@@ -188,8 +188,6 @@ class AgentThread:
         step_time = acc.seconds / acc.timed_steps
         tokens_per_step = acc.timed_tokens / acc.timed_steps
         model_f, hw_f = self.flops_per_step(tokens_per_step)
-        if self._peak is None and self._dtype_key is not None and not self._peak_warned:
-            self._choose_mfu_peak()
         peak = self._peak
         mfs = model_f / step_time if model_f else 0.0
         m = StepMeasurement(
