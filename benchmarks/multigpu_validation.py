@@ -487,13 +487,13 @@ def part_hang(ctx: Ctx) -> bool:
         for i in range(12):
             loss = train_step(model, opt, inputs)
             if i == 9 and ctx.rank == hang_rank:
-                steps_at_hang = agent._step
+                steps_at_hang = agent.hooks.step
                 time.sleep(floor * 2.5 + 2)  # stops before the collective below; the others wait in it
             dist.all_reduce(loss)  # the loss averaged for logging: a collective outside the model
             if ctx.cuda:
                 loss.item()  # the logging sync (host-device): where a NCCL rank waits for the collective
             if i == 9:
-                steps_at_hang = agent._step
+                steps_at_hang = agent.hooks.step
         ctx.sync()
     finally:
         agent.close()

@@ -115,9 +115,7 @@ class MFUWatchCallback(Callback):
         }
         cfg = _common.build_config(self.config, self.overrides, facts)
         self.agent = Agent(self.model or find_transformer(pl_module), None, config=cfg)
-        if self.agent.flop_model.adopt(self._setup_arch):  # the strategy hid the weights' shapes
-            self.agent.run_info.flops_source = self.agent.flop_model.source
-            self.agent._run_info_dirty = True
+        _common.adopt_architecture(self.agent, self._setup_arch)  # the strategy hid the weights' shapes
         self._tokens = 0
         self._last_global_step = trainer.global_step
         self._gap = False

@@ -154,7 +154,7 @@ def test_exporter_scraped_over_http():
     for _ in range(4):
         now.t += 0.5
         a.step(tokens=100)
-    a._tick(final=False)
+    a.reporter.tick(final=False)
     samples = _scrape(a.exporter_url)
     a.close()
     lab = (("job", "scrape"), ("rank", "0"), ("run", "scrape"))  # job: the run's name when no job is known
@@ -218,7 +218,7 @@ def test_step_is_ignored_when_optimizer_hook_marks_steps(caplog):
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         a.step(tokens=5)
         a.step(tokens=5)
-    assert a._step == 0
+    assert a.hooks.step == 0
     assert sum("agent.step() ignored" in r.getMessage() for r in caplog.records) == 1
     a.close()
 

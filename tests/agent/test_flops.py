@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mfuwatch.agent.demo import DemoLM, DemoShape
-from mfuwatch.agent.flops.model import (analytic_flops_per_token, count_matmul_params, ensure_cpu_sdpa_flop_formulas,
-                                  split_model_hardware)
+from mfuwatch.agent.flops.counter import ensure_cpu_sdpa_flop_formulas, split_model_hardware
+from mfuwatch.agent.flops.model import analytic_flops_per_token, count_matmul_params
 
 
 def test_analytic_formula_hand_value():

@@ -98,7 +98,7 @@ def test_eval_phase_stays_out_of_step_time(tmp_path):
         if i == 1:
             with agent.phase("eval"):
                 time.sleep(0.5)
-    agent._tick(final=False)
+    agent.reporter.tick(final=False)
     total = agent.registry.get_sample_value("mfuwatch_step_seconds_total", {"run": "gp-steptime", "rank": "0"})
     agent.close()
     assert total < 0.25  # four tiny steps; the 0.5 s eval is not in them
