@@ -38,7 +38,7 @@ from torch import nn
 
 from .config import AgentConfig, ConfigError, load_config  # noqa: F401  (ConfigError: raised by Agent())
 from .device import calibrate, peaks
-from .device.peak_choice import PeakSettings, choose_mfu_peak
+from .device.peak_choice import MfuPeak, PeakSettings
 from .errors import ErrorCounter
 from .fleet.accounting import FleetAccounting, FleetSettings
 from .fleet.job import job_labelled_view, resolve_job
@@ -91,10 +91,11 @@ class Agent:
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
         self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/fleet/job.py)
-        self._peak: Optional[float] = None
-        self._peak_warned = False
-        #: the GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)
-        self.gpu_peaks: Optional[peaks.Peaks] = None
+        share = self._calibration_share()
+        self.peak = MfuPeak(PeakSettings(cfg.peak_flops, cfg.calibrate, self.device.type, model is not None),
+                            device=self.device, run_info=self.run_info, errors=self.errors,
+                            measure=lambda key: calibrate.measured(self.device, key, share),
+                            on_change=lambda: self.reporter.facts_changed())
         self.exporter = Exporter(self.run_info)
         self.registry = self.exporter.registry
         self.exporter.exposed_registry = job_labelled_view(self.exporter.exposed_registry, self.run_info.job)
@@ -163,13 +164,13 @@ class Agent:
             run_info=self.run_info, timeline=self.timeline, exporter=self.exporter, errors=self.errors,
             report_every_steps=cfg.report_every_steps,
             wiring=ReportWiring(poll=lambda: self.clock.poll(), pending=lambda: self.clock.pending,
-                                flops_per_step=self.flops_per_step, peak=lambda: self._peak,
+                                flops_per_step=self.flops_per_step, peak=lambda: self.peak.value,
                                 dtype_known=lambda: self._dtype_key is not None, progress_on=self._progress_on))
         self._start_alerts()
         self._start_fleet()
         self._start_nvml()  # before the peak: its PCI device id identifies the GPU in the peak table
-        self._resolve_gpu_peaks()
-        self._choose_mfu_peak()  # the user's peak or a configured dtype's now; else at the first forward
+        self.peak.resolve_gpu(getattr(self.nvml, "pci_device_id", None) if self.nvml is not None else None)
+        self.peak.choose(cfg.dtype)  # the user's peak or a configured dtype's now; else at the first forward
         self._start_profiler()
         self.hooks = TrainingHooks(device=self.device, flop_model=self.flop_model, errors=self.errors,
                                    tokens_per_step=cfg.tokens_per_step, dtype=cfg.dtype,
@@ -335,51 +336,16 @@ class Agent:
             return f"{self.config.run}|{socket.gethostname()}"
         return None
 
-    def _resolve_gpu_peaks(self) -> None:
-        """The GPU's :class:`peaks.Peaks` from the one resolver (NVML PCI id first, else the CUDA name).
-
-        A GPU missing from the table gets ``None`` and one warning, unless ``peak_flops`` or
-        ``calibrate`` gives the MFU denominator anyway. Failures are counted under ``peak``.
-        """
-        if self.device.type != "cuda":
-            return
-        cfg = self.config
-        try:
-            pci = getattr(self.nvml, "pci_device_id", None) if self.nvml is not None else None
-            self.gpu_peaks = peaks.resolve_peaks(self.run_info.gpu_name or None, pci,
-                                                 warn=cfg.peak_flops is None and not cfg.calibrate)
-            if self.gpu_peaks is not None:
-                self.run_info.peak_memory_bandwidth_bytes_per_second = self.gpu_peaks.memory_bandwidth_bytes_per_second
-        except Exception as exc:  # noqa: BLE001
-            self.errors.count("peak", exc)
+    @property
+    def gpu_peaks(self) -> Optional[peaks.Peaks]:
+        """The GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)."""
+        return self.peak.gpu_peaks
 
     def _on_dtype(self, key: str) -> None:
         """Training thread: a forward showed the training dtype (first, or a new one)."""
         self.run_info.dtype = key
         self.reporter.facts_changed()
-        self._choose_mfu_peak()
-
-    def _choose_mfu_peak(self) -> None:
-        """Set the peak for the training dtype known now (start-up, and the training thread when the dtype
-        is first seen or changes): :func:`choose_mfu_peak`, calibrating through :func:`calibrate.measured`."""
-        cfg = self.config
-        try:
-            settings = PeakSettings(cfg.peak_flops, cfg.calibrate, self.device.type, self.model is not None)
-            share = self._calibration_share()
-            value, source = choose_mfu_peak(settings, self._dtype_key, self.gpu_peaks,
-                                            lambda key: calibrate.measured(self.device, key, share))
-            if source == "none" and not self._peak_warned:
-                self._peak_warned = True
-                log.warning("mfuwatch: no peak FLOP/s for device %s: MFU is not reported; pass calibrate=True "
-                            "or peak_flops=<FLOP/s>", self.device)
-            if value or (self._peak is not None and source):  # a new dtype without a peak clears the old one
-                self._peak = float(value) if value else None
-                self.run_info.peak_flops_per_second = self._peak
-                self.run_info.peak_source = source
-                self.run_info.dtype = self._dtype_key or self.run_info.dtype
-                self.reporter.facts_changed()  # the agent thread writes an updated "run" record to the timeline
-        except Exception as exc:  # noqa: BLE001
-            self.errors.count("peak", exc)
+        self.peak.choose(key)
 
     # ------------------------------------------------------------------ the training loop's calls
     def step(self, tokens: Optional[int] = None, loss: Any = None) -> None:

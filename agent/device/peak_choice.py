@@ -14,10 +14,13 @@ autocast measures a bf16 matmul, not fp32 (issue 24: MFU 6.63 on an H200 measure
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from . import peaks
+
+log = logging.getLogger("mfuwatch")
 
 #: the dtype a calibration measures in when nothing will show the training dtype (no model to watch)
 NO_MODEL_DTYPE = "fp32"
@@ -58,3 +61,58 @@ def choose_mfu_peak(settings: PeakSettings, dtype_key: Optional[str], gpu_peaks:
     if dtype_key is None:
         return None, ""
     return peaks.mfu_peak(gpu_peaks, dtype_key)
+
+
+class MfuPeak:
+    """The MFU denominator of one agent, and the only writer of the peak fields of its ``RunInfo``.
+
+    Args: ``settings`` (:class:`PeakSettings`), ``device`` (the training ``torch.device``), ``run_info``
+    (its ``peak_flops_per_second``, ``peak_source``, ``dtype`` and peak bandwidth are written here),
+    ``measure(dtype_key)`` (a calibration, FLOP/s), ``on_change()`` (told when the facts changed) and
+    ``errors`` (failures counted under ``peak``). :attr:`value` is read by the reporter (agent thread);
+    :meth:`choose` runs on the training thread only (start-up and each new dtype).
+    """
+
+    def __init__(self, settings: PeakSettings, *, device: Any, run_info: Any, measure: Callable[[str], float],
+                 on_change: Callable[[], None], errors: Any) -> None:
+        self.settings, self.device, self.run_info = settings, device, run_info
+        self.measure, self.on_change, self.errors = measure, on_change, errors
+        self.value: Optional[float] = None
+        #: the GPU's peaks from :func:`peaks.resolve_peaks` (None off CUDA or for a GPU not in the table)
+        self.gpu_peaks: Optional[peaks.Peaks] = None
+        self._warned = False
+
+    def resolve_gpu(self, pci_device_id: Optional[int]) -> None:
+        """The GPU's :class:`peaks.Peaks` from the one resolver (NVML PCI id first, else the CUDA name).
+
+        A GPU missing from the table gets ``None`` and one warning, unless ``peak_flops`` or
+        ``calibrate`` gives the MFU denominator anyway.
+        """
+        if self.settings.device_type != "cuda":
+            return
+        s = self.settings
+        try:
+            self.gpu_peaks = peaks.resolve_peaks(self.run_info.gpu_name or None, pci_device_id,
+                                                 warn=s.user_peak is None and not s.calibrate)
+            if self.gpu_peaks is not None:
+                self.run_info.peak_memory_bandwidth_bytes_per_second = self.gpu_peaks.memory_bandwidth_bytes_per_second
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("peak", exc)
+
+    def choose(self, dtype_key: Optional[str]) -> None:
+        """Set the peak for the training dtype known now (:func:`choose_mfu_peak`); a new dtype without a
+        peak clears the old one. Never raises."""
+        try:
+            value, source = choose_mfu_peak(self.settings, dtype_key, self.gpu_peaks, self.measure)
+            if source == "none" and not self._warned:
+                self._warned = True
+                log.warning("mfuwatch: no peak FLOP/s for device %s: MFU is not reported; pass calibrate=True "
+                            "or peak_flops=<FLOP/s>", self.device)
+            if value or (self.value is not None and source):
+                self.value = float(value) if value else None
+                self.run_info.peak_flops_per_second = self.value
+                self.run_info.peak_source = source
+                self.run_info.dtype = dtype_key or self.run_info.dtype
+                self.on_change()  # the agent thread writes an updated "run" record to the timeline
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("peak", exc)

@@ -168,3 +168,20 @@ def test_fleet_counters_from_intervals_without_an_agent():
     assert registry.get_sample_value("mfuwatch_hardware_flops_total", labels) == pytest.approx(2 * 1.2e9 + 1e9)
     assert registry.get_sample_value("mfuwatch_step_seconds_total", labels) == 0.5  # the untimed step adds none
     fleet.close()
+
+
+def test_the_mfu_peak_part_alone_writes_the_run_facts_it_owns():
+    from mfuwatch.agent.device.peak_choice import MfuPeak, PeakSettings
+
+    info, calls = RunInfo(run="alone", rank=0), _Calls()
+    measured = []
+    p = MfuPeak(PeakSettings(user_peak=None, calibrate=True, device_type="cpu"), device=torch.device("cpu"),
+                run_info=info, measure=lambda key: measured.append(key) or {"bf16": 3.0e11, "fp32": 1.0e11}[key],
+                on_change=calls.changed, errors=ErrorCounter())
+    p.choose(None)  # the dtype is not known yet: nothing measured, nothing written
+    assert measured == [] and p.value is None and info.peak_flops_per_second is None and calls.log == []
+    p.choose("bf16")
+    assert (p.value, info.peak_flops_per_second, info.peak_source, info.dtype) == (
+        3.0e11, 3.0e11, "calibrated (bf16 matmul)", "bf16")
+    p.choose("fp32")
+    assert measured == ["bf16", "fp32"] and info.peak_flops_per_second == 1.0e11 and len(calls.named("changed")) == 2
