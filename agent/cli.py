@@ -19,7 +19,7 @@ COMMANDS = {
     "analyze": ("mfuwatch.agent.analysis.analyze", "time breakdown, top ops and suggestions of a torch.profiler trace"),
     "report": ("mfuwatch.agent.report.html", "a self-contained HTML report from an agent timeline (JSONL)"),
     "alerts": ("mfuwatch.alerts.cli", "alert rules: render Prometheus rules, check a config"),
-    "flops": ("mfuwatch.agent.flops_cli", "FLOPs of one training step of a Hugging Face model, per component"),
+    "flops": ("mfuwatch.agent.flops.cli", "FLOPs of one training step of a Hugging Face model, per component"),
 }
 
 

@@ -25,7 +25,7 @@ DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: Upper bounds of the profiler window: Kineto buffers every event of the recorded steps in memory, so
 #: memory grows with them; 50 steps is already minutes of a large job.
 MAX_PROFILE_STEPS = 50
-PROGRESS = ("auto", True, False)  # the console progress line (agent_thread.progress_line)
+PROGRESS = ("auto", True, False)  # the console progress line (live.reporter.progress_line)
 ATTENTION_FLOPS = ("full", "causal")  # conventions for the attention-score FLOPs (docs/flops.md)
 
 
@@ -94,7 +94,7 @@ class AgentConfig:
     rank: int = 0  # from RANK
     local_rank: int = 0  # from LOCAL_RANK
     world_size: int = 1  # from WORLD_SIZE
-    # --- fleet (validated by agent/fleet_config.py) ---
+    # --- fleet (validated by agent/fleet/config.py) ---
     job: str = ""  # `job` label; "" = $MFUWATCH_JOB, Slurm job id, Kubernetes job name, else the run
     hang_watchdog: bool = True  # find stuck steps and record the training thread's stack (never kills)
     hang_factor: float = 5.0  # a step longer than 5x the recent median is stuck: far outside normal jitter
@@ -284,7 +284,7 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         _check_type(name, getattr(cfg, name), (int,), "a non-negative integer")
     if cfg.world_size < 1 or not 0 <= cfg.rank < cfg.world_size:
         raise ConfigError(f"rank/world_size: expected 0 <= rank < world_size, got rank={cfg.rank} world_size={cfg.world_size}")
-    from .fleet_config import validate_fleet  # fleet settings (job label, watchdog, goodput, OTLP)
+    from .fleet.config import validate_fleet  # fleet settings (job label, watchdog, goodput, OTLP)
 
     validate_fleet(cfg, ConfigError)
     try:

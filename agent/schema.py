@@ -88,7 +88,7 @@ class M:
     IMPLAUSIBLE_RATIO_TOTAL = PREFIX + "implausible_ratio_total"  # {ratio}: MFU/HFU above 1, not exported
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
-    # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
+    # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet/accounting.py) ---
     MODEL_FLOPS_TOTAL = PREFIX + "model_flops_total"
     HARDWARE_FLOPS_TOTAL = PREFIX + "hardware_flops_total"
     STEP_SECONDS_TOTAL = PREFIX + "step_seconds_total"
@@ -101,7 +101,7 @@ class M:
     LAST_PHASE_END_TIMESTAMP_SECONDS = PREFIX + "last_phase_end_timestamp_seconds"  # unix time; 0 before the first
 
 
-#: The labels every series carries (``job`` is added by the exporter's view, :mod:`mfuwatch.agent.job`).
+#: The labels every series carries (``job`` is added by the exporter's view, :mod:`mfuwatch.agent.fleet.job`).
 BASE_LABELS = ("run", "rank", "job")
 
 #: Labels beyond ``run``/``rank`` for the metrics that have them.
@@ -116,7 +116,7 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.IMPLAUSIBLE_RATIO_TOTAL: ("ratio",),  # "mfu" | "hfu" (agent/plausibility.py)
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
     M.ALERTS_FIRING: ("alertname", "severity"),
-    M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/goodput.py
+    M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/fleet/goodput.py
     M.HANG_INFO: ("frame", "collective"),  # fleet: at most one series, while a step is stuck
 }
 
@@ -147,7 +147,7 @@ class RunInfo:
     peak_memory_bandwidth_bytes_per_second: Optional[float] = None
     flops_source: str = ""  # "user" | "analytic" | "flop_counter"
     exporter_url: str = ""
-    job: str = ""  # fleet: the `job` label (agent/job.py), shared by every rank of one job
+    job: str = ""  # fleet: the `job` label (agent/fleet/job.py), shared by every rank of one job
     versions: Dict[str, str] = field(default_factory=dict)
 
 
@@ -160,8 +160,8 @@ class StepMeasurement:
     rates per second. ``mfu``/``hfu`` are ``None`` when the peak is unknown, or when they came out
     above 1.0 (impossible; the value is kept in ``implausible``, see agent/plausibility.py).
 
-    Produced by ``Agent._report`` (agent/agent_thread.py) on the agent thread, from the step clock's
-    intervals (agent/clock.py), the FLOP model and the peak of :mod:`mfuwatch.agent.peaks`.
+    Produced by ``Agent._report`` (agent/live/reporter.py) on the agent thread, from the step clock's
+    intervals (agent/live/clock.py), the FLOP model and the peak of :mod:`mfuwatch.agent.device.peaks`.
     """
 
     step: int
@@ -233,7 +233,7 @@ class WindowMeasurement:
     """The result of one profiler window (or of ``mfuwatch analyze`` on a trace).
 
     Produced by :func:`mfuwatch.agent.analysis.analyze.analyze_events`, in the profiler sampler's
-    child process (agent/profiler.py) for live windows; it crosses back as one JSON record
+    child process (agent/live/profiler.py) for live windows; it crosses back as one JSON record
     (:func:`to_record` there, :func:`window_from_record` here).
     """
 
@@ -258,7 +258,7 @@ class WindowMeasurement:
 class GpuHealth:
     """One NVML sample. Any field is ``None`` when the GPU or driver does not report it.
 
-    Produced by :class:`mfuwatch.agent.nvml.NvmlSampler` on its own thread, about once a second.
+    Produced by :class:`mfuwatch.agent.device.nvml.NvmlSampler` on its own thread, about once a second.
     """
 
     timestamp: float

@@ -2,7 +2,7 @@
 
 Written once for every PromQL engine a team runs them in: Prometheus (server
 mode), VictoriaMetrics' ``vmalert``, Mimir/Thanos rulers. Every expression
-aggregates over the counters of :mod:`mfuwatch.agent.fleet` with ``rate()``,
+aggregates over the counters of :mod:`mfuwatch.agent.fleet.accounting` with ``rate()``,
 so it holds for any number of ranks, and keeps the labels ``job`` and ``run``
 (``by (job, run)``) or ``job``, ``run``, ``rank`` (per rank).
 

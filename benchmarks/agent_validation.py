@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
+from mfuwatch.agent.flops.model import analytic_flops_per_token, count_matmul_params
 from mfuwatch.agent.llama import LlamaLM, LlamaShape
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, NVIDIA H200 datasheet

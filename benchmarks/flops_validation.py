@@ -30,7 +30,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from mfuwatch.agent import Agent, op_flops  # noqa: E402
+from mfuwatch.agent import Agent
+from mfuwatch.agent.flops import op_flops  # noqa: E402
 
 
 class LoRALinear(nn.Module):

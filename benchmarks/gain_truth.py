@@ -158,7 +158,7 @@ def window_of(step, sync, args, model_name: str) -> Optional[Dict[str, Any]]:
 
     from mfuwatch.agent.analysis.analyze import analyze_events
     from mfuwatch.agent.analysis.trace import read_trace
-    from mfuwatch.agent.peaks import resolve_peaks
+    from mfuwatch.agent.device.peaks import resolve_peaks
     from mfuwatch.agent.schema import to_record
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() and not args.cpu else [])
@@ -178,7 +178,7 @@ def window_of(step, sync, args, model_name: str) -> Optional[Dict[str, Any]]:
         with open(raw, "rb") as src, gzip.open(os.path.join(d, f"{model_name}.window.json.gz"), "wb") as dst:
             shutil.copyfileobj(src, dst)
     if args.cpu:
-        from mfuwatch.agent.calibrate import calibrate_bandwidth, calibrate_matmul
+        from mfuwatch.agent.device.calibrate import calibrate_bandwidth, calibrate_matmul
 
         spec, device = {"peak_flops": {"fp32": calibrate_matmul("cpu", torch.float32)},
                         "memory_bandwidth_bytes_per_second": calibrate_bandwidth("cpu")}, "cpu"

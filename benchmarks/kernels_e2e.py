@@ -20,7 +20,7 @@ For each of eager / ``torch.compile``, before and after
 ``patch(model, kernels=["rms_norm", "swiglu"])`` it reports: the loss on a fixed batch
 (the patch must not change it), the median step time (forward, backward, AdamW; 10 steps
 with a synchronize each, after warm-up), MFU (analytic model FLOPs of the fixture's README
-/ step time / the GPU's dense bf16 peak from ``mfuwatch.agent.peaks``, the definition of
+/ step time / the GPU's dense bf16 peak from ``mfuwatch.agent.device.peaks``, the definition of
 docs/architecture.md), the FLOPs ``FlopCounterMode`` counts for one step (eager; it must stay the
 same up to the fused ops' few elementwise FLOPs) and, from a 3-step profiler window
 classified by ``mfuwatch.agent.analysis.analyze.analyze_events``, the memory-bound share, the top
@@ -148,7 +148,7 @@ def main() -> int:
 def _peak(name):
     """Dense bf16 peak FLOP/s of this GPU from the agent's peak table, and where it came from."""
     try:
-        from mfuwatch.agent.peaks import lookup
+        from mfuwatch.agent.device.peaks import lookup
 
         spec = lookup(name=name)
         if spec is not None:
@@ -182,7 +182,7 @@ def _profile(step, name, step_s):
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         try:
-            from mfuwatch.agent.peaks import lookup
+            from mfuwatch.agent.device.peaks import lookup
             from mfuwatch.agent.analysis.analyze import analyze_events
             from mfuwatch.agent.analysis.trace import read_trace
 

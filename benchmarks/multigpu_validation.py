@@ -65,8 +65,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402,F401  (imported before any agent: its save/load get hooked)
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from mfuwatch.agent import Agent, op_flops  # noqa: E402
-from mfuwatch.agent.timeline import read_timeline  # noqa: E402
+from mfuwatch.agent import Agent
+from mfuwatch.agent.flops import op_flops  # noqa: E402
+from mfuwatch.agent.live.timeline import read_timeline  # noqa: E402
 
 CPU_PEAK = 1e11  # nominal FLOP/s on the CPU: MFU there is only compared with the truth, never read as a figure
 PARTS = ("mfu", "straggler", "hang", "goodput", "overhead")
@@ -486,13 +487,13 @@ def part_hang(ctx: Ctx) -> bool:
         for i in range(12):
             loss = train_step(model, opt, inputs)
             if i == 9 and ctx.rank == hang_rank:
-                steps_at_hang = agent._step
+                steps_at_hang = agent.hooks.step
                 time.sleep(floor * 2.5 + 2)  # stops before the collective below; the others wait in it
             dist.all_reduce(loss)  # the loss averaged for logging: a collective outside the model
             if ctx.cuda:
                 loss.item()  # the logging sync (host-device): where a NCCL rank waits for the collective
             if i == 9:
-                steps_at_hang = agent._step
+                steps_at_hang = agent.hooks.step
         ctx.sync()
     finally:
         agent.close()

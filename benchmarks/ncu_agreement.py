@@ -85,7 +85,7 @@ def our_kernels(trace_path: str):
     """[(base name, µs, bound, flops share, balance)] of the trace's kernels in start order."""
     from mfuwatch.agent.analysis.roofline import build_window
     from mfuwatch.agent.analysis.trace import GPU_CATEGORIES, TraceIndex, read_trace
-    from mfuwatch.agent.peaks import resolve_peaks
+    from mfuwatch.agent.device.peaks import resolve_peaks
 
     tf = read_trace(trace_path)
     p = resolve_peaks(name=tf.device_properties[0]["name"])  # the resolver the agent uses

@@ -5,7 +5,7 @@
 1. Per-call cost of every NVML query the sampler makes (mean / p50 / p99 in microseconds over
    ``--reps`` calls), of the three basic ones together (utilization, power, SM clock), and of one
    full ``NvmlSampler.sample()``; the share of one 1 Hz interval that a sample costs.
-2. GPM SM / tensor / DRAM activity (``mfuwatch.agent.nvml.gpm_ratios``) over ``--seconds`` while
+2. GPM SM / tensor / DRAM activity (``mfuwatch.agent.device.nvml.gpm_ratios``) over ``--seconds`` while
    idle, while a bf16 8192^3 matmul loop runs, and while a 1 GiB copy loop runs, beside the
    matmul's achieved FLOP/s over the datasheet peak (the tensor-active ratio should be at least
    that ratio, and DRAM activity should lead under the copy loop).
@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from mfuwatch.agent import peaks
-from mfuwatch.agent.nvml import NvmlSampler, gpm_ratios
-from mfuwatch.agent.nvml_device import open_nvml, read_gpm
+from mfuwatch.agent.device import peaks
+from mfuwatch.agent.device.nvml import NvmlSampler, gpm_ratios
+from mfuwatch.agent.device.nvml_device import open_nvml, read_gpm
 
 
 def time_call(fn, reps: int):

@@ -3,7 +3,7 @@
     python3 benchmarks/peak_calibration.py [--device 0]
 
 For each dtype key of the peak table (fp32 with TF32 off, tf32, bf16, fp16, fp8) it runs
-``mfuwatch.agent.calibrate.calibrate_matmul`` (8192^3 matmul, CUDA events) and prints the result
+``mfuwatch.agent.device.calibrate.calibrate_matmul`` (8192^3 matmul, CUDA events) and prints the result
 beside the table's dense peak; then ``calibrate_bandwidth`` (1 GiB copy) beside the HBM peak.
 
 What to expect on a correct row: measured / table between about 0.6 and 1.0 for the tensor
@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from mfuwatch.agent import calibrate, peaks
+from mfuwatch.agent.device import calibrate, peaks
 
 
 def main() -> int:

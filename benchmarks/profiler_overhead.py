@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _llama_workload import make_step  # noqa: E402
 
-from mfuwatch.agent import peaks  # noqa: E402
-from mfuwatch.agent.profiler import ProfilerSampler  # noqa: E402
+from mfuwatch.agent.device import peaks  # noqa: E402
+from mfuwatch.agent.live.profiler import ProfilerSampler  # noqa: E402
 from mfuwatch.agent.schema import BUSY_CATEGORIES  # noqa: E402
 
 DEFAULT_CADENCE_SECONDS = 300.0

@@ -6,10 +6,10 @@ streaming (memory stays bounded on multi-GB traces), and prints the breakdown
 their share and bound, and the ranked suggestions with their expected gain — as tables,
 or as one JSON ``WindowMeasurement`` record with ``--json``.
 
-Peak FLOP/s and bandwidth come from :func:`mfuwatch.agent.peaks.resolve_peaks` (the resolver
+Peak FLOP/s and bandwidth come from :func:`mfuwatch.agent.device.peaks.resolve_peaks` (the resolver
 the agent uses): the GPU named by ``--gpu``, else the trace's ``deviceProperties[0].name``,
 with ``--peak-flops``/``--bandwidth`` overriding the table row; ``--peaks FILE`` reads a whole
-:class:`~mfuwatch.agent.peaks.Peaks` as JSON instead (the profiler sampler passes the agent's
+:class:`~mfuwatch.agent.device.peaks.Peaks` as JSON instead (the profiler sampler passes the agent's
 peaks to its child process this way). Exit status: 0 on success, 1 when the file is not a
 readable trace (not JSON, truncated, nested deeper than any profiler trace, events of the
 wrong shape, no GPU activity), the GPU is unknown or ``--output`` cannot be written (one
@@ -29,7 +29,7 @@ import os
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..peaks import PEAK_KEYS, Peaks, resolve_peaks
+from ..device.peaks import PEAK_KEYS, Peaks, resolve_peaks
 from ..schema import WindowMeasurement, to_record
 from .roofline import build_window, measure
 from .suggest import suggest_set
@@ -54,7 +54,7 @@ def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any,
 
     Args:
         events_iter: chrome-trace event dicts (e.g. ``read_trace(path).events()``); streamed once.
-        spec_or_peaks: a :class:`~mfuwatch.agent.peaks.Peaks`, a ``GpuSpec`` or a mapping with ``peak_flops``
+        spec_or_peaks: a :class:`~mfuwatch.agent.device.peaks.Peaks`, a ``GpuSpec`` or a mapping with ``peak_flops``
             (FLOP/s per dtype) and ``memory_bandwidth_bytes_per_second`` (:meth:`Peaks.from_any`).
         steps: training steps in the window (None: inferred, see :func:`~.roofline.build_window`).
         step_time_seconds: step time measured outside the window, for the Amdahl gains; None ⇒
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="unit fp32 matmuls ran on (tf32 when torch allowed TF32)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a CPU-only trace, each op's self time acts as a kernel (needs --peak-flops fp32=… --bandwidth)")
-    p.add_argument("--peaks", metavar="FILE", help="peaks as JSON (the fields of mfuwatch.agent.peaks.Peaks); "
+    p.add_argument("--peaks", metavar="FILE", help="peaks as JSON (the fields of mfuwatch.agent.device.peaks.Peaks); "
                                                 "replaces --gpu, --peak-flops, --bandwidth and --fp32-matmul")
     p.add_argument("--top-k", type=_positive(int), default=8, help="ops to list (default 8)")
     p.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)  # the live sampler's child
@@ -199,7 +199,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rec["analysis"] = {"trace": args.trace, "gpu": gpu, "peak_flops": peaks.peak_flops,
                            "memory_bandwidth_bytes_per_second": peaks.memory_bandwidth_bytes_per_second,
                            "peaks": peaks.to_dict()}
-        from ..timeline import _clean
+        from ..live.timeline import _clean
 
         text = json.dumps(_clean(rec), allow_nan=False)  # NaN/Infinity → null: strict JSON readers accept it
     else:

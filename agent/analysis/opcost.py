@@ -44,7 +44,7 @@ DTYPE_BYTES: Dict[str, int] = {
     "long int": 8, "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1,
     "c10::complex<double>": 16, "c10::complex<float>": 8, "c10::complex<c10::Half>": 4,
 }
-#: Peak-table key (see ``mfuwatch.agent.peaks``) of each floating dtype spelling.
+#: Peak-table key (see ``mfuwatch.agent.device.peaks``) of each floating dtype spelling.
 DTYPE_KEY: Dict[str, str] = {
     "double": "fp64", "float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16",
     "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8", "c10::Float8_e4m3fnuz": "fp8", "c10::Float8_e5m2fnuz": "fp8",
@@ -310,7 +310,7 @@ def _flops(name: str, args: list, out_shape: Optional[Tuple[int, ...]]) -> Optio
         return None
     if name in SDPA_FORWARD or name in SDPA_BACKWARD or name in GROUPED_MM:
         # our formulas: the same on every torch version (2.11's reject grouped-query shapes)
-        from mfuwatch.agent.op_flops import trace_op_flops
+        from mfuwatch.agent.flops.op_flops import trace_op_flops
 
         return trace_op_flops(name, args, out_shape)
     dense = _dense_matmul_flops(name, args)

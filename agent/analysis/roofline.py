@@ -36,7 +36,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..peaks import Peaks
+from ..device.peaks import Peaks
 from ..schema import BUSY_CATEGORIES, OpShare, Suggestion, WindowMeasurement
 from . import opcost
 from .trace import GPU_CATEGORIES, TraceIndex

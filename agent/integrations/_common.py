@@ -157,3 +157,11 @@ def close_quietly(agent: Any, target: Any = None) -> None:
             getattr(obj, meth)()
         except Exception as exc:  # noqa: BLE001
             log.warning("mfuwatch: %s.%s() failed: %s", type(obj).__name__, meth, exc)
+
+
+def adopt_architecture(agent: Any, arch: Any) -> None:
+    """Hand ``agent``'s FLOP model an architecture read before the framework wrapped the model (FSDP, a
+    strategy); when it is taken, the new FLOP source goes out in an updated ``run`` record."""
+    if agent.flop_model.adopt(arch):
+        agent.run_info.flops_source = agent.flop_model.source
+        agent.reporter.facts_changed()

@@ -81,7 +81,7 @@ class MFUWatchCallback(TrainerCallback):
             self._patched = True
             self.patch_report = _common.apply_kernel_patch(model, self.patch_kernels)
         try:
-            from ..architectures import from_model
+            from ..flops.architectures import from_model
 
             self._init_arch = from_model(model)  # unsharded weights: read before a sharding wrapper flattens them
         except Exception as exc:  # noqa: BLE001 - the agent reads or counts the model at train begin
@@ -98,9 +98,7 @@ class MFUWatchCallback(TrainerCallback):
 
         cfg = _common.build_config(self.config, self.overrides, self._framework_facts(args))
         self.agent = Agent(model, None, config=cfg)  # boundaries come from on_step_end, not the optimizer
-        if self.agent.flop_model.adopt(self._init_arch):  # the wrapped model hid its shapes
-            self.agent.run_info.flops_source = self.agent.flop_model.source
-            self.agent._run_info_dirty = True
+        _common.adopt_architecture(self.agent, self._init_arch)  # the wrapped model hid its shapes
         if self.file_sd_dir:
             from ..distributed import register_agent
 

@@ -45,7 +45,7 @@ PRECISION_DTYPES = {
 
 def find_transformer(module: Any) -> Any:
     """``module`` or its first submodule whose Hugging Face ``config`` gives layers and width; else ``module``."""
-    from ..flops import shape_from_hf_config
+    from ..flops.model import shape_from_hf_config
 
     for m in module.modules():
         cfg = getattr(m, "config", None)
@@ -98,7 +98,7 @@ class MFUWatchCallback(Callback):
         if self.patch_kernels and self.patch_report is None:
             self.patch_report = _common.apply_kernel_patch(pl_module, self.patch_kernels)
         try:
-            from ..architectures import from_model
+            from ..flops.architectures import from_model
 
             self._setup_arch = from_model(self.model or find_transformer(pl_module))  # before any sharding
         except Exception as exc:  # noqa: BLE001 - the agent reads or counts the model itself
@@ -115,9 +115,7 @@ class MFUWatchCallback(Callback):
         }
         cfg = _common.build_config(self.config, self.overrides, facts)
         self.agent = Agent(self.model or find_transformer(pl_module), None, config=cfg)
-        if self.agent.flop_model.adopt(self._setup_arch):  # the strategy hid the weights' shapes
-            self.agent.run_info.flops_source = self.agent.flop_model.source
-            self.agent._run_info_dirty = True
+        _common.adopt_architecture(self.agent, self._setup_arch)  # the strategy hid the weights' shapes
         self._tokens = 0
         self._last_global_step = trainer.global_step
         self._gap = False

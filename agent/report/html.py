@@ -2,7 +2,7 @@
 
 The page carries the panels of the "Training MFU" Grafana dashboard, read from
 the JSONL timeline the agent writes (record kinds ``run``, ``step``,
-``window``, ``gpu``, ``alert``; see :mod:`mfuwatch.agent.timeline`) instead of
+``window``, ``gpu``, ``alert``; see :mod:`mfuwatch.agent.live.timeline`) instead of
 Prometheus: MFU and HFU over time, model FLOP/s against peak, tokens/s, step
 time, the time breakdown of every profiler window, the memory-bound share, the
 top ops and the suggested remedies of the latest window (with the line that
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from ..timeline import read_timeline
+from ..live.timeline import read_timeline
 
 
 @dataclass

@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 transformers = pytest.importorskip("transformers")
 
-from mfuwatch.agent import architectures as A  # noqa: E402
-from mfuwatch.agent import op_flops  # noqa: E402
+from mfuwatch.agent.flops import architectures as A  # noqa: E402
+from mfuwatch.agent.flops import op_flops  # noqa: E402
 
 B, T = 2, 12
 

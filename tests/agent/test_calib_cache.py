@@ -5,8 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import calibrate as peak_table
-from mfuwatch.agent.calib_cache import shared_value
+from mfuwatch.agent.device import calibrate as peak_table
+from mfuwatch.agent.device.calib_cache import shared_value
 
 
 def _rank(key, cache, q):
@@ -37,6 +37,7 @@ def test_two_processes_get_one_value(tmp_path):
 
 def test_agents_of_two_cpu_ranks_report_the_same_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak_table, "_measured", {})  # nothing measured yet in this process
     calls = iter([1.0e11, 2.5e11, 4.0e11])  # each calibration would give another value
     monkeypatch.setattr(peak_table, "calibrate_matmul", lambda device, dtype: next(calls))
     base = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="ddp-cpu", calibrate=True,
@@ -53,16 +54,41 @@ def test_agents_of_two_cpu_ranks_report_the_same_peak(tmp_path, monkeypatch):
 def test_window_calibration_of_cpu_ranks_is_shared(tmp_path, monkeypatch):
     import torch
 
-    from mfuwatch.agent import profiler as profiler_mod
+    from mfuwatch.agent.live import profiler as profiler_mod
 
     monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(profiler_mod, "_CPU_PEAKS", None)
+    monkeypatch.setattr(peak_table, "_measured", {})
     monkeypatch.setattr(peak_table, "calibrate_bandwidth", lambda device: 3.0e10)  # this rank would measure...
     monkeypatch.setattr(peak_table, "calibrate_matmul", lambda device, dtype: 9.0e10)
-    key = "window|job|host"
-    shared_value(key + "|bandwidth", lambda: 2.0e10)  # ...but rank 0 measured first
-    shared_value(key + "|fp32 matmul", lambda: 5.0e10)
-    s = profiler_mod.ProfilerSampler(every_steps=5, device=torch.device("cpu"), on_window=lambda w: None,
-                                     on_error=lambda c, e: None, shared_key=key)
+    share = "job|host"
+    cpu = torch.device("cpu")
+    shared_value(f"calibration|{share}|cpu|bandwidth", lambda: 2.0e10)  # ...but rank 0 measured first
+    shared_value(f"calibration|{share}|cpu|fp32", lambda: 5.0e10)
+    s = profiler_mod.ProfilerSampler(every_steps=5, device=cpu, on_window=lambda w: None,
+                                     on_error=lambda c, e: None, shared_key=share)
     p = s.child_peaks()
-    assert p.memory_bandwidth_bytes_per_second == 2.0e10 and p.peak_flops["fp32"] == 5.0e10
+    assert p.memory_bandwidth_bytes_per_second == 2.0e10 and p.peak_flops == {"fp32": 5.0e10}
+    assert p.name == "cpu" and p.source == "calibrated"
+
+
+def test_the_mfu_peak_and_the_window_share_one_calibration(tmp_path, monkeypatch):
+    """One path, one key: the MFU calibration of an fp32 run is the window's fp32 matmul figure."""
+    import torch
+
+    from mfuwatch.agent.live import profiler as profiler_mod
+
+    monkeypatch.setenv("MFUWATCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak_table, "_measured", {})
+    calls = []
+    monkeypatch.setattr(peak_table, "calibrate_matmul", lambda device, dtype: calls.append(dtype) or 7.0e10)
+    monkeypatch.setattr(peak_table, "calibrate_bandwidth", lambda device: 4.0e10)
+    a = Agent(config=dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="one-key",
+                          calibrate=True, flops_per_step=1e9))
+    try:
+        s = profiler_mod.ProfilerSampler(every_steps=5, device=torch.device("cpu"), on_window=lambda w: None,
+                                         on_error=lambda c, e: None)
+        assert s.child_peaks().peak_flops == {"fp32": 7.0e10}
+        assert a.run_info.peak_flops_per_second == 7.0e10 and a.run_info.peak_source == "calibrated (fp32 matmul)"
+        assert calls == ["fp32"]  # measured once in this process, for both
+    finally:
+        a.close()

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from mfuwatch.agent.clock import StepClock
+from mfuwatch.agent.live.clock import StepClock
 from tests.helpers.fake_clock import FakeClock
 
 

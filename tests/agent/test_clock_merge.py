@@ -2,7 +2,7 @@
 
 import torch
 
-from mfuwatch.agent.clock import StepClock
+from mfuwatch.agent.live.clock import StepClock
 
 
 def test_merged_start_boundary_still_counts_every_step():

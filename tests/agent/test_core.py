@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mfuwatch.agent import Agent, watch
 from mfuwatch.agent.core import count_tokens
 from mfuwatch.agent.demo import DemoLM, DemoShape
-from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
+from mfuwatch.agent.flops.model import analytic_flops_per_token, count_matmul_params
 from tests.helpers.integration_fixtures import install_fake_clock
 from tests.helpers.net import free_port, scrape
 
@@ -118,7 +118,7 @@ def test_injected_failure_does_not_reach_training_loop(monkeypatch, caplog):
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr("mfuwatch.agent.hooks.count_tokens", boom)
+    monkeypatch.setattr("mfuwatch.agent.live.hooks.count_tokens", boom)
     monkeypatch.setattr(a.exporter, "observe_steps", boom)
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         for _ in range(4):
@@ -142,7 +142,7 @@ def test_exporter_scraped_over_http():
     for _ in range(4):
         now.t += 0.5
         a.step(tokens=100)
-    a._tick(final=False)
+    a.reporter.tick(final=False)
     samples = scrape(a.exporter_url)
     a.close()
     lab = (("job", "scrape"), ("rank", "0"), ("run", "scrape"))  # job: the run's name when no job is known
@@ -206,7 +206,7 @@ def test_step_is_ignored_when_optimizer_hook_marks_steps(caplog):
     with caplog.at_level(logging.WARNING, logger="mfuwatch"):
         a.step(tokens=5)
         a.step(tokens=5)
-    assert a._step == 0
+    assert a.hooks.step == 0
     assert sum("agent.step() ignored" in r.getMessage() for r in caplog.records) == 1
     a.close()
 

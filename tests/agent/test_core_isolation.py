@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mfuwatch.agent import Agent, ConfigError, watch
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 from tests.helpers.net import free_port
 
 BASE = dict(exporter=False, nvml=False, profile_every="off", run="iso", report_every_steps=10)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from mfuwatch.agent.demo import load_stdlib_text
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 
 
 def test_stdlib_text_is_real_python_source():

@@ -168,7 +168,7 @@ def _agent(rank: int, steps: int) -> Agent:
     for _ in range(steps):
         now.t += 0.5
         a.step(tokens=100)
-    a._tick(final=False)
+    a.reporter.tick(final=False)
     return a
 
 

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.goodput import BUCKETS
-from mfuwatch.agent.job import MAX_JOB_LENGTH, resolve_job
-from mfuwatch.agent.nvml_device import CLOCK_EVENT_REASONS
+from mfuwatch.agent.fleet.goodput import BUCKETS
+from mfuwatch.agent.fleet.job import MAX_JOB_LENGTH, resolve_job
+from mfuwatch.agent.device.nvml_device import CLOCK_EVENT_REASONS
 from mfuwatch.agent.schema import CATEGORIES, GpuHealth, OpShare, Suggestion, WindowMeasurement
-from mfuwatch.agent.straggler import StragglerScore
+from mfuwatch.agent.fleet.straggler import StragglerScore
 from tests.helpers.net import scrape
 
 
@@ -94,7 +94,7 @@ def test_series_per_rank_stay_within_the_documented_budget():
                       memory_total_bytes=2, energy_joules=5, sm_active=0.9, tensor_active=0.5, dram_active=0.4,
                       clock_event_reasons={r[0]: False for r in CLOCK_EVENT_REASONS},
                       ecc_errors={"corrected": 0, "uncorrected": 0}))
-    from mfuwatch.agent.watchdog import HangReport
+    from mfuwatch.agent.fleet.watchdog import HangReport
 
     agent.fleet.current_hang = HangReport(step=1, elapsed_seconds=1, threshold_seconds=1, median_step_seconds=1,
                                           where="train.py:10 in loop")

@@ -10,7 +10,7 @@ from torch.utils import _python_dispatch
 from torch.utils.flop_counter import FlopCounterMode
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import op_flops
+from mfuwatch.agent.flops import op_flops
 from mfuwatch.agent.demo import DemoLM, DemoShape
 from mfuwatch.agent.schema import GpuHealth
 from tests.helpers.integration_fixtures import install_fake_clock
@@ -83,7 +83,7 @@ def test_lora_merge_is_re_read_off_the_hot_path():
     x = torch.randint(0, 64, (2, 12))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     a = Agent(model, opt, config=dict(BASE, peak_flops=1e12, report_every_steps=1))
-    a._seq_len = 12
+    a.hooks.seq_len = 12
     lora = a.flops_per_step(24)[0]
     assert lora == pytest.approx(_truth(model, dict(input_ids=x, labels=x)), rel=0.02)
     model.merge_adapter()
@@ -132,7 +132,7 @@ def test_a_formula_that_raises_in_the_counted_step_does_not_reach_training(monke
 
 
 def test_a_finish_that_fails_still_switches_the_counter_off(monkeypatch):
-    from mfuwatch.agent import flops
+    from mfuwatch.agent.flops import counter as flops
 
     real = flops._safe_flop_counter_mode
 
@@ -165,7 +165,7 @@ def test_a_finish_that_fails_still_switches_the_counter_off(monkeypatch):
 def test_nvml_sample_during_construction_is_handled(monkeypatch, tmp_path):
     # the NVML thread may deliver its first sample before Agent.__init__ returns (seen on the H200)
     def start_nvml(self):
-        self._on_gpu_sample(GpuHealth(timestamp=time.time(), utilization=0.5))
+        self.reporter.on_gpu_sample(GpuHealth(timestamp=time.time(), utilization=0.5))
 
     monkeypatch.setattr(Agent, "_start_nvml", start_nvml)
     a = Agent(config=dict(BASE, flops_per_step=1.0, timeline=str(tmp_path / "t.jsonl")))
@@ -203,7 +203,7 @@ def test_causal_option_and_breakdown_of_an_unknown_model():
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))
     full = Agent(m, config=dict(BASE, flops_per_step=None))
     causal = Agent(m, config=dict(BASE, attention_flops="causal"))
-    full._seq_len = causal._seq_len = 8
+    full.hooks.seq_len = causal.hooks.seq_len = 8
     d, T = 32, 8
     assert full.flops_per_step(T)[0] - causal.flops_per_step(T)[0] == 12 * d * (T * T - T * (T + 1) // 2)
     full.close()
@@ -217,7 +217,7 @@ def test_causal_option_and_breakdown_of_an_unknown_model():
 
 def test_an_architecture_read_before_wrapping_is_adopted():
     # the framework integrations read the model before FSDP (1) flattens it, then hand the reading over
-    from mfuwatch.agent import architectures as A
+    from mfuwatch.agent.flops import architectures as A
 
     m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4))
@@ -226,7 +226,7 @@ def test_an_architecture_read_before_wrapping_is_adopted():
     a = Agent(m, config=BASE)
     assert a.flop_model.source == "flop_counter"
     assert a.flop_model.adopt(before) and a.flop_model.source == "analytic" and a.flop_model.counter is None
-    a._seq_len = 8
+    a.hooks.seq_len = 8
     expected = before.step_flops(A.Lengths(8), 2)[0]
     assert a.flops_per_step(16)[0] == expected  # and no re-read of the live (wrapped) model
     a.close()

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mfuwatch.agent.demo import DemoLM, DemoShape
-from mfuwatch.agent.flops import (analytic_flops_per_token, count_matmul_params, ensure_cpu_sdpa_flop_formulas,
-                                  split_model_hardware)
+from mfuwatch.agent.flops.counter import ensure_cpu_sdpa_flop_formulas, split_model_hardware
+from mfuwatch.agent.flops.model import analytic_flops_per_token, count_matmul_params
 
 
 def test_analytic_formula_hand_value():
@@ -65,7 +65,7 @@ def test_split_model_hardware():
 
 
 def test_activation_checkpointing_detection_and_hfu_share():
-    from mfuwatch.agent.flops import uses_activation_checkpointing
+    from mfuwatch.agent.flops.model import uses_activation_checkpointing
 
     class New(torch.nn.Module):  # transformers 5 spelling
         is_activation_checkpointing = True

@@ -4,7 +4,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from mfuwatch.agent import flops_cli  # noqa: E402
+from mfuwatch.agent.flops import cli as flops_cli  # noqa: E402
 
 
 def _llama_config(tmp_path):

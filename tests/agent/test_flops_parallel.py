@@ -22,7 +22,7 @@ def _llama():
 
 
 def _components(arch):
-    from mfuwatch.agent.architectures import Lengths
+    from mfuwatch.agent.flops.architectures import Lengths
 
     model, _, comps = arch.step_flops(Lengths(T), B)
     return model, {c.name: c.model_flops for c in comps}
@@ -43,7 +43,7 @@ def _check(rank, mode):
     """One parallelism scheme on this rank: the FLOP model's components against the unsharded model."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mfuwatch.agent import architectures as A
+    from mfuwatch.agent.flops import architectures as A
 
     ref_total, ref = _components(A.from_model(_llama()))
     m = _llama()

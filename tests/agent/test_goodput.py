@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.fleet.goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo
+from mfuwatch.agent.live.timeline import read_timeline
 from tests.helpers.fake_clock import FakeClock
 
 BASE = dict(exporter=False, nvml=False, profile_every="off", alerts=False, report_every_steps=1,
@@ -91,7 +91,7 @@ def test_eval_phase_stays_out_of_step_time(tmp_path):
         if i == 1:
             with agent.phase("eval"):
                 time.sleep(0.5)
-    agent._tick(final=False)
+    agent.reporter.tick(final=False)
     total = agent.registry.get_sample_value("mfuwatch_step_seconds_total", {"run": "gp-steptime", "rank": "0"})
     agent.close()
     assert total < 0.25  # four tiny steps; the 0.5 s eval is not in them
@@ -197,7 +197,7 @@ def test_torch_distributed_checkpoint_save_and_load_are_timed(tmp_path):
 
 
 def test_only_the_timelines_tail_is_read_at_start(tmp_path):
-    from mfuwatch.agent.goodput import tail_records
+    from mfuwatch.agent.fleet.goodput import tail_records
 
     p = tmp_path / "t.jsonl"
     old = "".join('{"kind":"step","step":%d,"steps":1,"step_time_seconds":1.0}\n' % i for i in range(1, 2001))

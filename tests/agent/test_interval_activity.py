@@ -58,7 +58,7 @@ def _train(agent, model, opt, seconds, tensor, steps=None):
     done = 0
     while time.monotonic() < end if steps is None else done < steps:
         done += 1
-        agent._on_gpu_sample(_g(time.time(), tensor, clock=1.5e9, max_clock=2e9))
+        agent.reporter.on_gpu_sample(_g(time.time(), tensor, clock=1.5e9, max_clock=2e9))
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -89,7 +89,7 @@ def test_reports_carry_the_gpm_average_of_their_steps_and_the_exporter_the_stall
         assert stall is not None and 0.0 <= stall < 5.0
         with agent.phase("eval"):
             for _ in range(3):  # the GPU idles through the eval
-                agent._on_gpu_sample(_g(time.time(), 0.0, clock=1.5e9, max_clock=2e9))
+                agent.reporter.on_gpu_sample(_g(time.time(), 0.0, clock=1.5e9, max_clock=2e9))
                 time.sleep(0.05)
             assert agent.registry.get_sample_value(M.STALL_SECONDS, labels) is None  # no stall during a phase
         step_before = agent.latest.step

@@ -1,4 +1,4 @@
-"""Tests for mfuwatch.agent.nvml.NvmlSampler against the fake NVML of tests/helpers."""
+"""Tests for mfuwatch.agent.device.nvml.NvmlSampler against the fake NVML of tests/helpers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import threading
 import pynvml
 import pytest
 
-from mfuwatch.agent import nvml_device
-from mfuwatch.agent.nvml import NvmlSampler
+from mfuwatch.agent.device import nvml_device
+from mfuwatch.agent.device.nvml import NvmlSampler
 from mfuwatch.agent.schema import GpuHealth
 from tests.helpers.fake_nvml import FakeNvml, make_gpus
 
@@ -140,7 +140,7 @@ def test_xid_events_are_counted(no_torch_uuid, caplog):
     s.open()
     assert s.sample().xid_errors == 0
     fake.gpus[0].xid_queue.extend([79, 48])
-    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.nvml")
+    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.device.nvml")
     assert s.sample().xid_errors == 2 and s.last_xid == 48
     assert s.sample().xid_errors == 2
     assert sum("Xid 79" in r.getMessage() for r in caplog.records) == 1
@@ -181,21 +181,21 @@ def test_uuid_mapping_picks_the_visible_device(monkeypatch):
 
 
 def test_nvml_library_missing_turns_the_sampler_off_with_one_info_line(no_torch_uuid, caplog):
-    caplog.set_level(logging.INFO, logger="mfuwatch.agent.nvml")
+    caplog.set_level(logging.INFO, logger="mfuwatch.agent.device.nvml")
     fake = FakeNvml(make_gpus(1))
     fake.fail("nvmlInit", fake.NVMLError_LibraryNotFound)
     rec = Recorder()
     s = _sampler(fake, rec)
     assert s.start() is False and s.start() is False
     assert s.available is False and s.latest is None and s._thread is None
-    lines = [r for r in caplog.records if r.name == "mfuwatch.agent.nvml"]
+    lines = [r for r in caplog.records if r.name == "mfuwatch.agent.device.nvml"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and "NVML" in lines[0].getMessage()
     s.close()  # harmless
     assert rec.errors == [] and fake.calls["nvmlShutdown"] == 0
 
 
 def test_pynvml_not_importable_turns_the_sampler_off(no_torch_uuid, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="mfuwatch.agent.nvml")
+    caplog.set_level(logging.INFO, logger="mfuwatch.agent.device.nvml")
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     s = NvmlSampler(torch_device="cuda:0", on_sample=lambda h: None, on_error=lambda c, e: None)
     assert s.start() is False
@@ -203,7 +203,7 @@ def test_pynvml_not_importable_turns_the_sampler_off(no_torch_uuid, monkeypatch,
 
 
 def test_cpu_device_never_touches_nvml(caplog):
-    caplog.set_level(logging.INFO, logger="mfuwatch.agent.nvml")
+    caplog.set_level(logging.INFO, logger="mfuwatch.agent.device.nvml")
     fake = FakeNvml(make_gpus(1))
     s = _sampler(fake, Recorder(), device="cpu")
     assert s.start() is False and s.available is False

@@ -1,12 +1,12 @@
-"""Tests for mfuwatch.agent.nvml_device: device mapping, clock-event decoding, GPM ratios."""
+"""Tests for mfuwatch.agent.device.nvml_device: device mapping, clock-event decoding, GPM ratios."""
 
 from __future__ import annotations
 
 import pynvml
 import pytest
 
-from mfuwatch.agent import nvml_device
-from mfuwatch.agent.nvml_device import (GpmReader, decode_clock_event_reasons, gpm_ratios, normalize_uuid,
+from mfuwatch.agent.device import nvml_device
+from mfuwatch.agent.device.nvml_device import (GpmReader, decode_clock_event_reasons, gpm_ratios, normalize_uuid,
                                         nvml_index_for_torch_device, read_gpm)
 from tests.helpers.fake_nvml import FakeNvml, make_gpus
 

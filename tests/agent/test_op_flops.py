@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from mfuwatch.agent import op_flops
+from mfuwatch.agent.flops import op_flops
 
 
 def test_gqa_sdpa_formula_on_shapes_torch_2_11_rejects():

@@ -14,7 +14,7 @@ from prometheus_client.exposition import generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from mfuwatch.agent import Agent  # noqa: E402
-from mfuwatch.agent.otlp import OtlpBridge  # noqa: E402
+from mfuwatch.agent.live.otlp import OtlpBridge  # noqa: E402
 
 
 def _otel_points(reader):

@@ -1,4 +1,4 @@
-"""Tests for mfuwatch.agent.peaks: the GPU table, name/id matching, dtype keys, calibration."""
+"""Tests for mfuwatch.agent.device.peaks: the GPU table, name/id matching, dtype keys, calibration."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from mfuwatch.agent import calibrate, peaks
-from mfuwatch.agent.peaks import DTYPES, GpuSpec, lookup
+from mfuwatch.agent.device import calibrate, peaks
+from mfuwatch.agent.device.peaks import DTYPES, GpuSpec, lookup
 
 # NVML names (as nvidia-smi / nvmlDeviceGetName print them) -> the row each must resolve to.
 NVML_NAMES = {
@@ -113,7 +113,7 @@ def test_unknown_gpu_is_none(name):
 
 
 def test_unknown_gpu_gets_no_peak_and_one_warning(caplog):
-    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.peaks")
+    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.device.peaks")
     for _ in range(3):
         assert peaks.resolve_peaks(name="NVIDIA GH200 480GB", pci_device_id=0x234210DE) is None
     msgs = [r.getMessage() for r in caplog.records]
@@ -158,7 +158,7 @@ def test_peaks_round_trip_through_their_one_serialised_form():
 
 
 def test_fp8_on_ampere_is_none_with_source(caplog):
-    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.peaks")
+    caplog.set_level(logging.WARNING, logger="mfuwatch.agent.device.peaks")
     p = peaks.resolve_peaks(name="NVIDIA A100-SXM4-80GB")
     for _ in range(2):
         flops, source = peaks.mfu_peak(p, "fp8")

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.fleet import FleetAccounting
+from mfuwatch.agent.fleet.accounting import FleetAccounting
 from mfuwatch.agent.schema import M
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 
 BASE = dict(exporter=False, nvml=False, profile_every="off", alerts=False, report_every_steps=1,
             flops_per_step=1e9, peak_flops=1e15, hang_watchdog=False, auto_checkpoint_phases=False)

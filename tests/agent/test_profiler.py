@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from mfuwatch.agent.exporter import Exporter
-from mfuwatch.agent.profiler import ProfilerSampler
+from mfuwatch.agent.live.exporter import Exporter
+from mfuwatch.agent.live.profiler import ProfilerSampler
 from mfuwatch.agent.schema import BUSY_CATEGORIES, M, RunInfo
 
 

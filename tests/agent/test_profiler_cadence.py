@@ -8,9 +8,9 @@ import threading
 
 import torch
 
-from mfuwatch.agent import profiler as profiler_mod
-from mfuwatch.agent.peaks import Peaks
-from mfuwatch.agent.profiler import ProfilerSampler
+from mfuwatch.agent.live import profiler as profiler_mod
+from mfuwatch.agent.device.peaks import Peaks
+from mfuwatch.agent.live.profiler import ProfilerSampler
 from tests.agent.test_profiler import _loop
 
 PEAKS = Peaks(peak_flops={"fp32": 1e11}, memory_bandwidth_bytes_per_second=1e10)

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from mfuwatch.agent import Agent, ConfigError
-from mfuwatch.agent import agent_thread
+from mfuwatch.agent.live import reporter as agent_thread
 from tests.helpers.integration_fixtures import install_fake_clock
 from mfuwatch.agent.schema import StepMeasurement, WindowMeasurement
 

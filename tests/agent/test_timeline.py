@@ -5,7 +5,7 @@ import math
 import pytest
 
 from mfuwatch.agent.schema import StepMeasurement, to_record
-from mfuwatch.agent.timeline import Timeline, read_timeline
+from mfuwatch.agent.live.timeline import Timeline, read_timeline
 
 
 def test_round_trip_and_nan(tmp_path):
@@ -174,11 +174,11 @@ def _wait(cond, timeout=20.0):
 def test_facts_learnt_after_the_run_record_go_out_as_a_later_run_record(tmp_path):
     a, path = _demo_run(tmp_path)
     _wait(lambda: not a.timeline.header_pending)  # the agent thread has written the run record
-    a._run_info_dirty = True  # nothing changed: no second record
-    _wait(lambda: not a._run_info_dirty)
+    a.reporter.facts_changed()  # nothing changed: no second record
+    _wait(lambda: not a.reporter.facts_pending)
     a.run_info.peak_source = "calibrated (fp32 matmul)"
-    a._run_info_dirty = True
-    _wait(lambda: not a._run_info_dirty)
+    a.reporter.facts_changed()
+    _wait(lambda: not a.reporter.facts_pending)
     a.close()
     runs = [r for r in read_timeline(path) if r["kind"] == "run"]
     assert [r["peak_source"] for r in runs] == ["user (peak_flops)", "calibrated (fp32 matmul)"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent.timeline import read_timeline
-from mfuwatch.agent.watchdog import HangWatchdog, last_nccl_collective
+from mfuwatch.agent.live.timeline import read_timeline
+from mfuwatch.agent.fleet.watchdog import HangWatchdog, last_nccl_collective
 from tests.helpers.fake_clock import FakeClock
 
 

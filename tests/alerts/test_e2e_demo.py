@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 pytest.importorskip("mfuwatch.agent.demo", reason="the lead's `mfuwatch demo` is not there yet")
-pytest.importorskip("mfuwatch.agent.profiler", reason="the agent's profiler windows are not there yet")
+pytest.importorskip("mfuwatch.agent.live.profiler", reason="the agent's profiler windows are not there yet")
 
 SUGGESTION_LINE = re.compile(r"^(?P<kernel>\S+) \[(?P<kind>\w+)\]: (?P<apply>.+) \(expected gain "
                              r"(?P<gain>[0-9.eE+-]+)% of step time\)$")

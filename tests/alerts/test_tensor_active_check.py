@@ -41,8 +41,8 @@ def test_excess_and_fraction_compare_the_report_with_its_own_interval():
 
 
 def test_nvml_reports_the_max_sm_clock(monkeypatch):
-    from mfuwatch.agent import nvml_device
-    from mfuwatch.agent.nvml import NvmlSampler
+    from mfuwatch.agent.device import nvml_device
+    from mfuwatch.agent.device.nvml import NvmlSampler
     from tests.helpers.fake_nvml import FakeNvml, make_gpus
 
     monkeypatch.setattr(nvml_device, "_torch_uuid", lambda index: None)

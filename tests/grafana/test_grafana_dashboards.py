@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from mfuwatch.agent.goodput import BUCKETS
+from mfuwatch.agent.fleet.goodput import BUCKETS
 from mfuwatch.agent.schema import BASE_LABELS, CATEGORIES, EXTRA_LABELS, M
 from mfuwatch.alerts.fleet_rules import FleetRuleConfig, recording_rules
 from tests.helpers.grafana_dashboards import DATASOURCE_REF, load_dashboards, panels, parse_label_values, queries

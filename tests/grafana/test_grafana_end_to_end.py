@@ -32,8 +32,8 @@ import pytest
 import requests
 import yaml
 
-from mfuwatch.agent.exporter import Exporter
-from mfuwatch.agent.nvml import NvmlSampler
+from mfuwatch.agent.live.exporter import Exporter
+from mfuwatch.agent.device.nvml import NvmlSampler
 from mfuwatch.agent.schema import RunInfo
 from mfuwatch.alerts.fleet_rules import render_fleet
 from tests.helpers.debian_tools import ensure_binary

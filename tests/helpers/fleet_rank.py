@@ -1,8 +1,8 @@
 """One simulated rank for the fleet scale test: a step loop with controlled step times and the real exporter.
 
 Runs the agent's own metric path without torch (32 processes must fit a 2-core CI machine): the
-:class:`~mfuwatch.agent.exporter.Exporter` with its `job`-labelled view, the
-:class:`~mfuwatch.agent.fleet.FleetAccounting` (FLOP and step-time counters, goodput, hang watchdog,
+:class:`~mfuwatch.agent.live.exporter.Exporter` with its `job`-labelled view, the
+:class:`~mfuwatch.agent.fleet.accounting.FleetAccounting` (FLOP and step-time counters, goodput, hang watchdog,
 straggler score) and the agent's file-SD target file, fed exactly as ``Agent`` feeds them: a forward
 start and a boundary per step on this (the "training") thread, intervals and report measurements after.
 
@@ -22,15 +22,14 @@ from __future__ import annotations
 import argparse
 import signal
 import time
-from types import SimpleNamespace
 
 from mfuwatch.agent.config import load_config
 from mfuwatch.agent.errors import ErrorCounter
-from mfuwatch.agent.exporter import Exporter
-from mfuwatch.agent.fleet import FleetAccounting
-from mfuwatch.agent.job import job_labelled_view, resolve_job
+from mfuwatch.agent.live.exporter import Exporter
+from mfuwatch.agent.fleet.accounting import FleetAccounting, FleetSettings
+from mfuwatch.agent.fleet.job import job_labelled_view, resolve_job
 from mfuwatch.agent.schema import RunInfo, StepMeasurement
-from mfuwatch.agent.timeline import Timeline
+from mfuwatch.agent.live.timeline import Timeline
 
 try:  # the layout engineer moves it to agent/distributed.py
     from mfuwatch.agent.distributed import FileSDTarget  # type: ignore
@@ -87,9 +86,9 @@ def main() -> int:
     exporter.exposed_registry = job_labelled_view(exporter.registry, info.job)
     errors = ErrorCounter()
     errors.listeners.append(exporter.count_error)
-    agent = SimpleNamespace(config=cfg, run_info=info, registry=exporter.registry, errors=errors,
-                            timeline=Timeline(None), alerts=None, mark_gap=lambda: None, _step=0)
-    fleet = FleetAccounting(agent)
+    current = {"step": 0}
+    fleet = FleetAccounting(FleetSettings.from_config(cfg), registry=exporter.registry, errors=errors,
+                            write=Timeline(None).write, current_step=lambda: current["step"])
     url = exporter.serve(0, "127.0.0.1")
     info.exporter_url = url
     target = FileSDTarget(a.sd_dir, run=cfg.run, rank=a.rank, url=url, host="127.0.0.1")
@@ -120,7 +119,7 @@ def main() -> int:
             fleet.forward_start()
             time.sleep(max(0.0, deadline - time.perf_counter()))
             step += 1
-            agent._step = step
+            current["step"] = step
             fleet.boundary(step)
             now = time.perf_counter()
             dt, last = now - last, now  # the step's measured time (the CPU "device")

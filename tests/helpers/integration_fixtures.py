@@ -35,7 +35,7 @@ def llama_matmul_params() -> int:
 
 
 def llama_flops_per_token() -> float:
-    """PaLM appendix B, written out independently of mfuwatch.agent.flops: 6 N + 12 L d T."""
+    """PaLM appendix B, written out independently of mfuwatch.agent.flops.model: 6 N + 12 L d T."""
     return 6.0 * llama_matmul_params() + 12.0 * LAYERS * D * SEQ  # 122880 + 12288 = 135168
 
 
@@ -56,7 +56,7 @@ class TokenDataset(torch.utils.data.Dataset):
 def install_fake_clock(agent, start: bool = False) -> FakeClock:
     """Give ``agent`` a step clock on fake time (before its first forward, which starts the clock;
     ``start=True`` starts it now, for tests that call the agent's step hooks directly)."""
-    from mfuwatch.agent.clock import StepClock
+    from mfuwatch.agent.live.clock import StepClock
 
     now = FakeClock()
     agent.clock = StepClock(agent.device, now=now)

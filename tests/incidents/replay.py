@@ -9,7 +9,7 @@ One generator: :func:`simulate` plays a scenario's timeline second by second for
   others every ``evaluation_interval`` (15 s); reports come every ``report_steps`` steps and at least
   every 10 s while steps are pending, as the agent thread's;
 * the Prometheus path: every 15 s, what the agent's exporter would serve — the real
-  :class:`~mfuwatch.agent.exporter.MeasurementCollector`'s gauges (fed the same measurements) plus the
+  :class:`~mfuwatch.agent.live.exporter.MeasurementCollector`'s gauges (fed the same measurements) plus the
   counters the agent keeps (steps, tokens, FLOPs of timed steps, step seconds, goodput buckets, the
   step-time histogram's sum and count) — is written as ``promtool test rules`` input over the shipped rules
   (``mfuwatch alerts render-prometheus`` for the scenario's config, and the fleet rules); a target that is
@@ -51,9 +51,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from mfuwatch.agent.activity import ActivityAverager
-from mfuwatch.agent.exporter import MeasurementCollector
-from mfuwatch.agent.goodput import BUCKETS
-from mfuwatch.agent.nvml_device import CLOCK_EVENT_REASONS
+from mfuwatch.agent.live.exporter import MeasurementCollector
+from mfuwatch.agent.fleet.goodput import BUCKETS
+from mfuwatch.agent.device.nvml_device import CLOCK_EVENT_REASONS
 from mfuwatch.agent.schema import CATEGORIES, GpuHealth, RunInfo, StepMeasurement, WindowMeasurement
 from mfuwatch.alerts import AlertEngine, load_config, render_prometheus
 from mfuwatch.alerts.fleet_rules import render_fleet

@@ -22,7 +22,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 from mfuwatch.agent import Agent  # noqa: E402
 from mfuwatch.agent.integrations.hf import MFUWatchCallback  # noqa: E402
-from mfuwatch.agent.timeline import read_timeline  # noqa: E402
+from mfuwatch.agent.live.timeline import read_timeline  # noqa: E402
 
 PEAK = 1e12
 STEP_SECONDS = 0.5

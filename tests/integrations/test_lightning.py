@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from mfuwatch.agent import Agent  # noqa: E402
 from mfuwatch.agent.integrations.lightning import MFUWatchCallback, find_transformer  # noqa: E402
-from mfuwatch.agent.timeline import read_timeline  # noqa: E402
+from mfuwatch.agent.live.timeline import read_timeline  # noqa: E402
 
 PEAK = 1e12
 STEP_SECONDS = 0.5

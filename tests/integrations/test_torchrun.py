@@ -18,7 +18,7 @@ import yaml
 from helpers.net import free_port_pair, scrape
 from helpers.receiver import AlertReceiver
 
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 
 RUN = "torchrun-ci"
 

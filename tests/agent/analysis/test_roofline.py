@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from mfuwatch.agent import peaks as peak_table
+from mfuwatch.agent.device import peaks as peak_table
 from mfuwatch.agent.analysis.analyze import analyze_events
 from mfuwatch.agent.analysis.roofline import kernel_name_bound, op_name_bound
 from mfuwatch.agent.analysis.trace import TraceError, read_trace
-from mfuwatch.agent.peaks import Peaks
+from mfuwatch.agent.device.peaks import Peaks
 from mfuwatch.agent.schema import BUSY_CATEGORIES, to_record, window_from_record
 from tests.helpers.chrome_trace_builder import TraceBuilder
 from tests.helpers.traces import TRACES

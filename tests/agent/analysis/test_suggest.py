@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mfuwatch.agent import peaks as peak_table
+from mfuwatch.agent.device import peaks as peak_table
 from mfuwatch.agent.analysis.analyze import analyze_events
 from mfuwatch.agent.analysis.trace import read_trace
 from mfuwatch.kernels import traffic

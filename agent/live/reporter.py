@@ -16,14 +16,15 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from .clock import Interval
-from .schema import GpuHealth, StepMeasurement, WindowMeasurement, to_record
+from ..schema import GpuHealth, StepMeasurement, WindowMeasurement, to_record
 
 log = logging.getLogger("mfuwatch")
 #: the console progress line's logger; with logging unconfigured its lines go to stderr (:func:`emit_progress`)
@@ -84,45 +85,117 @@ class _ReportSums:
 
 
 
-class AgentThread:
-    """Mixin of :class:`~mfuwatch.agent.core.Agent`: the agent thread's loop and its outputs.
+def _nothing(*args: Any) -> None:
+    return None
 
-    Owns ``_acc`` (a :class:`_ReportSums`), ``latest``, ``latest_window``, ``_last_gpu_write``,
-    ``_last_progress``, ``_run_written`` and ``_dtype_seen``; keeps the timeline's
-    watermark (:meth:`~mfuwatch.agent.timeline.Timeline.advance`) and writes its run record; runs
-    until ``_stop`` is set, then reports once more.
+
+@dataclass
+class ReportWiring:
+    r"""What the reporter reads and feeds, as narrow callables (the agent sets the optional ones once the
+    part they belong to exists).
+
+    ``poll()`` returns the step clock's completed :class:`Interval`\ s and ``pending()`` how many
+    boundaries it still holds; ``flops_per_step(tokens_per_step)`` gives ``(model, hardware)`` FLOPs of
+    one step; ``peak()`` the MFU denominator now (FLOP/s or None); ``dtype_known()`` whether the
+    training dtype is known; ``progress_on()`` whether the console progress line is shown (config
+    ``progress``, and no exporter for "auto"); ``on_interval(steps, seconds, tokens, flops_per_step)``
+    is fleet accounting's; ``observe_step/observe_gpu/observe_window`` the alert engine's.
     """
 
-    def _write(self, record: Dict[str, Any]) -> None:
+    poll: Callable[[], list]
+    pending: Callable[[], int]
+    flops_per_step: Callable[[float], tuple]
+    peak: Callable[[], Optional[float]]
+    dtype_known: Callable[[], bool]
+    progress_on: Callable[[], bool]
+    on_interval: Callable[..., None] = _nothing
+    observe_step: Callable[[StepMeasurement], None] = _nothing
+    observe_gpu: Callable[[GpuHealth], None] = _nothing
+    observe_window: Callable[[WindowMeasurement], None] = _nothing
+    #: ``(phase open now, wall time of the last phase end)``: fleet accounting's (no cross-check over a phase)
+    phase_state: Callable[[], tuple] = lambda: (False, 0.0)
+
+
+class Reporter:
+    """The agent thread's loop and its outputs: one :class:`StepMeasurement` per ``report_every_steps``.
+
+    Owns the sums since the last report, :attr:`latest`, :attr:`latest_window`, the console progress
+    state, the run record's state (``facts_changed()`` asks for an updated ``run`` record) and the
+    timeline's watermark (:meth:`~mfuwatch.agent.live.timeline.Timeline.advance`); runs on its own
+    thread from :meth:`start` until :meth:`close`, then reports once more.
+
+    Args: ``run_info`` (the static facts, written as ``run`` records), ``timeline``, ``exporter`` (the
+    output it feeds: ``observe_steps`` and ``collector.update(step=|gpu=|window=)``), ``errors`` (each output guarded under its component), ``report_every_steps``, ``wiring``
+    (:class:`ReportWiring`).
+    """
+
+    def __init__(self, *, run_info: Any, timeline: Any, exporter: Any, errors: Any, report_every_steps: int,
+                 wiring: ReportWiring, activity: Any = None, ratio_guard: Any = None) -> None:
+        self.run_info, self.timeline, self.exporter = run_info, timeline, exporter
+        self.errors, self.report_every_steps, self.wiring = errors, report_every_steps, wiring
+        self.latest: Optional[StepMeasurement] = None
+        self.latest_window: Optional[WindowMeasurement] = None
+        self._acc = _ReportSums()
+        self.facts_pending = False  # facts_changed() since the last run record
+        self.activity = activity  # ActivityAverager (agent/activity.py): GPM over each report's steps, or None
+        self._activity_since: Optional[float] = None  # wall end of the previous report
+        self.ratio_guard = ratio_guard  # ImplausibleRatioGuard (agent/plausibility.py), or None
+        self._last_progress: Optional[float] = None  # time.monotonic() of the last console progress line
+        self._run_written: Optional[dict] = None  # the last "run" timeline record written
+        self._dtype_seen = False  # the dtype was known at the previous tick
+        self._last_gpu_write = 0.0  # before the NVML thread starts: its first sample may come at once
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ any thread
+    def facts_changed(self) -> None:
+        """The run's facts (dtype, peak) changed: the agent thread writes an updated ``run`` record."""
+        self.facts_pending = True
+
+    def write(self, record: Dict[str, Any]) -> None:
         """Append one timeline record (any thread; the timeline keeps timestamp order); a failing disk is
         counted (``timeline``) and nothing else stops."""
         with self.errors.guard("timeline"):
             self.timeline.write(record)
 
-    def _run_record(self) -> Dict[str, Any]:
+    def run_record(self) -> Dict[str, Any]:
         """The ``run`` timeline record of the facts known now (the timeline calls it when it writes it)."""
         rec = to_record("run", self.run_info)
         self._run_written = rec
         return rec
 
+    def start(self) -> None:
+        """Start the agent thread (after the timeline's header is pending and the parts are wired)."""
+        self.facts_pending = False
+        self._acc = _ReportSums()
+        self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread after one final pass (waits up to 5 s). Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ agent thread
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
-            self._tick(final=False)
-        self._tick(final=True)
+            self.tick(final=False)
+        self.tick(final=True)
 
-    def _tick(self, final: bool) -> None:
+    def tick(self, final: bool) -> None:
         """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
         broken exporter is counted under its component while steps are still counted and alerts still fed."""
         polled_at = time.time()
         intervals = []
         with self.errors.guard("clock"):
-            intervals = self.clock.poll()
+            intervals = self.wiring.poll()
         with self.errors.guard("timeline"):
             self._settle_run_record(ready=bool(intervals) or final)
         for iv in intervals:
             with self.errors.guard("agent"):
                 self._absorb(iv)
-                if self._acc.steps >= self.config.report_every_steps:
+                if self._acc.steps >= self.report_every_steps:
                     self._report()  # one measurement per report_every_steps, however many steps one poll finds
         with self.errors.guard("agent"):
             acc = self._acc
@@ -135,18 +208,18 @@ class AgentThread:
     def _settle_run_record(self, ready: bool) -> None:
         """Write the run record once its facts settle: the first step completed, or the dtype known since the
         previous tick (the peak is chosen in the same forward pre-hook, just after). Facts that change after
-        it (a peak learnt at a later report) go out as a later ``run`` record of the same run and rank."""
+        it (a peak learnt later, a new dtype) go out as a later ``run`` record of the same run and rank."""
         if self.timeline.header_pending:
             if ready or self._dtype_seen:
                 self.timeline.write_header()
-            self._dtype_seen = self._dtype_key is not None
+            self._dtype_seen = self.wiring.dtype_known()
             return
-        if self._run_info_dirty:
-            self._run_info_dirty = False
+        if self.facts_pending:
+            self.facts_pending = False
             rec = to_record("run", self.run_info)
             if rec != self._run_written:  # the same facts again (e.g. the dtype re-detected): nothing to add
                 self._run_written = rec
-                self._write(rec)
+                self.write(rec)
 
     def _watermark(self, polled_at: float) -> Optional[float]:
         """The earliest timestamp a step record still to come can have (unix seconds), or ``None`` = unknown.
@@ -158,7 +231,7 @@ class AgentThread:
         acc = self._acc
         if acc.steps > 0 and acc.last is not None:
             return acc.last.end_wall
-        if self.clock.pending == 0:
+        if self.wiring.pending() == 0:
             return polled_at
         return None
 
@@ -174,9 +247,9 @@ class AgentThread:
         acc.last = iv
         with self.errors.guard("exporter"):
             self.exporter.observe_steps(iv.steps, iv.tokens, iv.seconds / iv.steps if timed else None)
-        if self.fleet is not None:  # fleet: FLOP and step-time counters, straggler score
-            with self.errors.guard("fleet"):
-                self.fleet.on_interval(iv.steps, iv.seconds, iv.tokens, self.flops_per_step)
+        with self.errors.guard("fleet"):  # fleet: FLOP and step-time counters, straggler score
+            self.wiring.on_interval(iv.steps, iv.seconds, iv.tokens, self.wiring.flops_per_step)
+
     def _report(self, final: bool = False) -> None:
         acc, self._acc = self._acc, _ReportSums()
         last: Interval = acc.last
@@ -187,17 +260,15 @@ class AgentThread:
             return
         step_time = acc.seconds / acc.timed_steps
         tokens_per_step = acc.timed_tokens / acc.timed_steps
-        model_f, hw_f = self.flops_per_step(tokens_per_step)
-        if self._peak is None and self._dtype_key is not None and not self._peak_warned:
-            self._choose_mfu_peak()
-        peak = self._peak
+        model_f, hw_f = self.wiring.flops_per_step(tokens_per_step)
+        peak = self.wiring.peak()
         mfs = model_f / step_time if model_f else 0.0
         activity = None
-        with self.errors.guard("nvml"):  # GPM over this report's timed steps, not the latest sample
-            fleet = self.fleet
-            activity = self.activity.for_report(
-                last.end_wall, acc.seconds, self._activity_since, bool(fleet and fleet.phase_in_progress),
-                fleet.last_phase_end_wall if fleet is not None else 0.0)
+        if self.activity is not None:
+            with self.errors.guard("nvml"):  # GPM over this report's timed steps, not the latest sample
+                in_phase, phase_end = self.wiring.phase_state()
+                activity = self.activity.for_report(last.end_wall, acc.seconds, self._activity_since,
+                                                    bool(in_phase), phase_end)
         self._activity_since = last.end_wall
         m = StepMeasurement(
             step=last.last_step, steps=acc.steps, timestamp=last.end_wall, step_time_seconds=step_time,
@@ -211,15 +282,15 @@ class AgentThread:
             tensor_active_bound=activity and activity.tensor_active_bound,
             sm_active=activity and activity.sm_active, dram_active=activity and activity.dram_active,
         )
-        m = self._ratio_guard.check(m)  # MFU/HFU above 1: withheld, counted, logged once (agent/plausibility.py)
+        if self.ratio_guard is not None:
+            m = self.ratio_guard.check(m)  # MFU/HFU above 1: withheld, counted, logged once (agent/plausibility.py)
         self.latest = m
         with self.errors.guard("exporter"):
             self.exporter.collector.update(step=m)
         with self.errors.guard("timeline"):  # after the records stamped before its last step, in time order
             self.timeline.write_in_order(to_record("step", m))
-        if self.alerts is not None:
-            with self.errors.guard("alerts"):
-                self.alerts.observe_step(m)
+        with self.errors.guard("alerts"):
+            self.wiring.observe_step(m)
         with self.errors.guard("progress"):
             self._progress(m, final)
 
@@ -227,8 +298,7 @@ class AgentThread:
         """The console line of this report: config ``progress`` true, or ``"auto"`` when no exporter serves
         ``/metrics`` (off, or it failed to start: nothing else shows a sign of life then); at most one per
         :data:`PROGRESS_MIN_SECONDS`, and the final report's line always."""
-        on = self.config.progress
-        if on is False or (on == "auto" and getattr(self, "exporter_url", "")):
+        if not self.wiring.progress_on():
             return
         now = time.monotonic()
         last = self._last_progress
@@ -237,24 +307,26 @@ class AgentThread:
         self._last_progress = now
         emit_progress(progress_line(m, self.latest_window))
 
-    def _on_gpu_sample(self, sample: GpuHealth) -> None:
-        with self.errors.guard("nvml"):
-            self.activity.add(sample)
+    # ------------------------------------------------------------------ NVML and profiler threads
+    def on_gpu_sample(self, sample: GpuHealth) -> None:
+        """An NVML sample: to the activity average, the exporter and the alerts; to the timeline at most
+        every 10 s."""
+        if self.activity is not None:
+            with self.errors.guard("nvml"):
+                self.activity.add(sample)
         with self.errors.guard("exporter"):
             self.exporter.collector.update(gpu=sample)
-        if self.alerts is not None:
-            with self.errors.guard("alerts"):
-                self.alerts.observe_gpu(sample)
+        with self.errors.guard("alerts"):
+            self.wiring.observe_gpu(sample)
         if sample.timestamp - self._last_gpu_write >= 10.0:
             self._last_gpu_write = sample.timestamp
-            self._write(to_record("gpu", sample))
+            self.write(to_record("gpu", sample))
 
-    def _on_window(self, window: WindowMeasurement) -> None:
+    def on_window(self, window: WindowMeasurement) -> None:
+        """A profiler window's measurement: to the exporter, the timeline and the alerts."""
         self.latest_window = window
         with self.errors.guard("exporter"):
             self.exporter.collector.update(window=window)
-        self._write(to_record("window", window))
-        if self.alerts is not None:
-            with self.errors.guard("alerts"):
-                self.alerts.observe_window(window)
-
+        self.write(to_record("window", window))
+        with self.errors.guard("alerts"):
+            self.wiring.observe_window(window)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from .schema import M, GpuHealth, RunInfo, StepMeasurement, WindowMeasurement
+from ..schema import M, GpuHealth, RunInfo, StepMeasurement, WindowMeasurement
 
 log = logging.getLogger("mfuwatch")
 

@@ -8,7 +8,7 @@ where the row lists one, else by its name (:func:`lookup`); a GPU missing from t
 gets no peak, and one warning that names it and says how to pass ``peak_flops`` or
 ``calibrate=True``: the agent never borrows another GPU's numbers.
 
-:mod:`mfuwatch.agent.calibrate` measures instead of looking up (``calibrate=True``, the CPU
+:mod:`mfuwatch.agent.device.calibrate` measures instead of looking up (``calibrate=True``, the CPU
 demo, profiler windows without a table row). Usage::
 
     from mfuwatch.agent import peaks
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: The keys a :class:`Peaks` may hold: the table's, and "fp64" (given by flags; the table has no fp64 column).
 PEAK_KEYS = DTYPES + ("fp64",)
-TABLE_PATH = Path(__file__).resolve().parent / "data" / "gpus.yaml"
+TABLE_PATH = Path(__file__).resolve().parent.parent / "data" / "gpus.yaml"
 _NVIDIA_VENDOR_ID = 0x10DE
 _warned: set = set()  # (kind, name) pairs already warned about, so each warning appears once
 
@@ -183,10 +183,18 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).lower().replace("torch.", "").strip()
 
 
-_KEY_BY_NAME = {
-    "float32": "fp32", "fp32": "fp32", "float": "fp32", "tf32": "tf32",
-    "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
-}
+#: The one dtype map: each peak-table key and the torch dtype its matmuls run in (tf32: fp32 storage on
+#: TF32 tensor cores; fp8: e4m3, the format calibration measures). The spellings below are derived from it.
+TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+_KEY_BY_NAME = {**{name: key for key, name in TORCH_DTYPES.items() if key in ("fp32", "bf16", "fp16")},
+                **{key: key for key in TORCH_DTYPES if key != "fp8"}, "float": "fp32", "half": "fp16"}
+
+
+def torch_dtype(key: str) -> Any:
+    """The torch dtype of peak-table key ``key`` (:data:`TORCH_DTYPES`); KeyError for another key."""
+    import torch
+
+    return getattr(torch, TORCH_DTYPES[key])
 
 
 def training_dtype_key(torch_dtype: Any, autocast_dtype: Any = None, tf32_allowed: bool = False) -> str:

@@ -1,25 +1,23 @@
 """Measured peaks: a large matmul's FLOP/s and a large copy's bandwidth, for devices without a table row.
 
-Used by ``calibrate=True`` (the MFU denominator), the CPU demo and profiler windows on a device the
-peak table (:mod:`mfuwatch.agent.peaks`) does not list. Each call blocks (one host-device sync) and
-is meant for start-up only. torch is imported inside the functions.
+The one calibration path: ``calibrate=True`` (the MFU denominator, measured in the training dtype
+once the first forward shows it), the CPU demo and profiler windows on a device the peak table
+(:mod:`mfuwatch.agent.device.peaks`) does not list all go through :func:`measured`, which takes each
+figure once per process and, for the CPU ranks of one job, once per host
+(:func:`~mfuwatch.agent.device.calib_cache.shared_value` under :func:`cache_key`). Each measurement
+blocks (one host-device sync). torch is imported inside the functions.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from typing import Any, Dict, Optional, Sequence, Tuple
 
-from .peaks import training_dtype_key
+from .peaks import Peaks, torch_dtype, training_dtype_key
 
-
-def _torch_dtype(dtype: Any):
-    import torch
-
-    key = training_dtype_key(dtype)
-    return key, {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-                 "fp16": torch.float16, "fp8": torch.float8_e4m3fn}[key]
+#: what :func:`measured` took in this process: ``{(device, what): value}`` (``what``: a dtype key or "bandwidth")
+_measured: Dict[Tuple[str, str], float] = {}
 
 
 def _time_cuda(fn, device, warmup: int, reps: int) -> float:
@@ -61,7 +59,8 @@ def calibrate_matmul(device: Any, dtype: Any) -> float:
     import torch
 
     dev = torch.device(device)
-    key, tdtype = _torch_dtype(dtype)
+    key = training_dtype_key(dtype)
+    tdtype = torch_dtype(key)
     if dev.type != "cuda":
         n = 1024
         cdtype = torch.float32 if key in ("fp32", "tf32", "fp8") else tdtype
@@ -105,3 +104,47 @@ def calibrate_bandwidth(device: Any) -> float:
     fn = lambda: dst.copy_(src)  # noqa: E731
     seconds = _time_cuda(fn, dev, 3, 10) if dev.type == "cuda" else _time_cpu(fn, 0.5, 5)
     return 2.0 * nbytes / seconds
+
+
+def cache_key(share: str, device: Any, what: str) -> str:
+    """The one key of a calibrated figure shared by the ranks of a job on one host.
+
+    ``share`` is the job's scope (``"<run>|<host>"``), ``what`` a dtype key of
+    :data:`~mfuwatch.agent.device.peaks.DTYPES` (matmul FLOP/s) or ``"bandwidth"`` (bytes/s).
+    """
+    return f"calibration|{share}|{device}|{what}"
+
+
+def measured(device: Any, what: str, share: Optional[str] = None) -> float:
+    """Calibrated matmul FLOP/s for dtype key ``what``, or the copy bandwidth (``what="bandwidth"``), bytes/s.
+
+    Taken once per process and device; with ``share`` (the CPU ranks of one job, ``"<run>|<host>"``)
+    once per host: the first rank measures, the others read its value (:func:`cache_key`). Blocks
+    the first time. Raises what the measurement raises (fp8 without ``torch._scaled_mm``).
+    """
+    memo = (str(device), what)
+    if memo not in _measured:
+        compute = (lambda: calibrate_bandwidth(device)) if what == "bandwidth" else (
+            lambda: calibrate_matmul(device, what))
+        if share:
+            from .calib_cache import shared_value
+
+            _measured[memo] = shared_value(cache_key(share, device, what), compute)
+        else:
+            _measured[memo] = float(compute())
+    return _measured[memo]
+
+
+def calibrated_peaks(device: Any, dtypes: Sequence[str], share: Optional[str] = None) -> Peaks:
+    """:class:`Peaks` of a device from :func:`measured`: matmul FLOP/s per dtype key, copy bandwidth.
+
+    The measured bandwidth is both the peak and ``measured_bandwidth_bytes_per_second``; ``name`` is
+    "cpu" on the CPU, ``source`` "calibrated". Blocks the first time each figure is taken.
+    """
+    import torch
+
+    dev = torch.device(device)
+    bw = measured(dev, "bandwidth", share)
+    return Peaks(peak_flops={k: measured(dev, k, share) for k in dtypes}, memory_bandwidth_bytes_per_second=bw,
+                 measured_bandwidth_bytes_per_second=bw, name="cpu" if dev.type == "cpu" else "",
+                 source="calibrated")

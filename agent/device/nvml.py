@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .nvml_device import (CLOCK_EVENT_REASONS, GPM_METRICS, GpmReader, decode_clock_event_reasons, gpm_ratios,
                           is_error, is_permanent, normalize_uuid, nvml_index_for_torch_device, open_nvml,
                           percent_to_ratio, read_gpm, text)
-from .schema import GpuHealth
+from ..schema import GpuHealth
 
 __all__ = ["NvmlSampler", "CLOCK_EVENT_REASONS", "GPM_METRICS", "GpmReader", "decode_clock_event_reasons",
            "gpm_ratios", "normalize_uuid", "nvml_index_for_torch_device", "read_gpm"]

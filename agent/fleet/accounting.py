@@ -6,7 +6,7 @@ One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fl
   ``mfuwatch_model_flops_total``, ``mfuwatch_hardware_flops_total`` (FLOPs of the
   steps measured so far) and ``mfuwatch_step_seconds_total`` (device time of the
   timed steps), beside ``steps_total``/``tokens_total``;
-* goodput (:mod:`mfuwatch.agent.goodput`): ``mfuwatch_goodput_seconds_total{bucket}``
+* goodput (:mod:`mfuwatch.agent.fleet.goodput`): ``mfuwatch_goodput_seconds_total{bucket}``
   and ``mfuwatch_goodput_ratio``;
 * ``agent.phase("eval")`` / ``agent.phase("checkpoint")``: the phase's time goes to
   its goodput bucket, is left out of step time (the step clock restarts at the
@@ -14,11 +14,12 @@ One :class:`FleetAccounting` per :class:`~mfuwatch.agent.core.Agent` (``agent.fl
   hang watchdog; ``mfuwatch_phase_in_progress`` (1 while a phase is open) and
   ``mfuwatch_last_phase_end_timestamp_seconds`` let the Prometheus ``TrainingStalled``
   rules pause and restart their stall clock the same way;
-* the hang watchdog (:mod:`mfuwatch.agent.watchdog`): ``mfuwatch_hangs_total``,
+* the hang watchdog (:mod:`mfuwatch.agent.fleet.watchdog`): ``mfuwatch_hangs_total``,
   ``mfuwatch_hang_info{frame}`` while a step is stuck, ``hang`` timeline records, and the
-  report handed to the in-process alert engine (``observe_hang``; plus ``stall_probe``, so a
-  ``TrainingStalled`` that fires before the watchdog judges still says where the thread waits);
-* the straggler score (:mod:`mfuwatch.agent.straggler`): ``mfuwatch_straggler_score_ratio``;
+  report handed to ``on_hang`` (the agent wires it to the alert engine's ``observe_hang``, and
+  :meth:`FleetAccounting.stall_context` to its ``stall_probe``, so a ``TrainingStalled`` that fires
+  before the watchdog judges still says where the thread waits);
+* the straggler score (:mod:`mfuwatch.agent.fleet.straggler`): ``mfuwatch_straggler_score_ratio``;
 * lost progress after a restart, from the run's own timeline.
 
 Training-thread calls (:meth:`forward_start`, :meth:`boundary`, phases) cost a
@@ -34,6 +35,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from prometheus_client import Counter
@@ -42,7 +44,7 @@ from prometheus_client.registry import Collector
 
 from . import checkpoint_hooks
 from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo, tail_records
-from .schema import M
+from ..schema import M
 from .straggler import StragglerScore
 from .watchdog import HangReport, HangWatchdog, last_nccl_collective, thread_stack
 
@@ -117,20 +119,59 @@ class _FleetCollector(Collector):
         yield g
 
 
+@dataclass(frozen=True)
+class FleetSettings:
+    """The settings fleet accounting reads: the series labels, the timeline to resume from (a path or
+    None), goodput's warm-up steps, the hang watchdog (on, factor, floor in seconds) and whether
+    ``torch.save``/``load`` are timed as checkpoint phases. :meth:`from_config` takes them from an
+    :class:`~mfuwatch.agent.config.AgentConfig`."""
+
+    run: str
+    rank: int
+    timeline: Optional[str] = None
+    goodput_warmup_steps: int = 2
+    hang_watchdog: bool = True
+    hang_factor: float = 5.0
+    hang_floor_seconds: float = 60.0
+    auto_checkpoint_phases: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "FleetSettings":
+        return cls(run=cfg.run, rank=cfg.rank, timeline=cfg.timeline, goodput_warmup_steps=cfg.goodput_warmup_steps,
+                   hang_watchdog=cfg.hang_watchdog, hang_factor=cfg.hang_factor,
+                   hang_floor_seconds=cfg.hang_floor_seconds, auto_checkpoint_phases=cfg.auto_checkpoint_phases)
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
 class FleetAccounting:
-    """The fleet side of one agent. Built by the agent (``agent.fleet``); never raises into it.
+    """The fleet side of one agent (``agent.fleet``); never raises into its callers.
 
     Args:
-        agent: the :class:`~mfuwatch.agent.core.Agent` (reads ``config``, ``run_info``,
-            ``registry``, ``errors``, ``timeline``, ``alerts``, ``mark_gap``).
+        settings: :class:`FleetSettings`.
+        registry: the Prometheus registry its counters and collector join.
+        errors: the agent's :class:`~mfuwatch.agent.errors.ErrorCounter` (``count``, ``guard``).
+        write: appends one timeline record (a dict).
+        mark_gap: restarts the step clock (called when the last open phase closes between steps).
+        current_step: the training thread's optimizer step count now.
+        on_phase: ``on_phase(True)`` when a phase opens, ``on_phase(False)`` when one closes (the agent
+            pauses and resumes the alert engine's stall clock with it).
+        on_hang: the hang watchdog's report as a mapping when a step is stuck, ``None`` when it recovers.
         now: ``time.perf_counter``-like clock (tests).
     """
 
-    def __init__(self, agent: Any, now: Callable[[], float] = time.perf_counter) -> None:
-        cfg = agent.config
-        self.agent = agent
-        self.errors = agent.errors
-        self.run, self.rank = agent.run_info.run, str(agent.run_info.rank)
+    def __init__(self, settings: FleetSettings, *, registry: Any, errors: Any, write: Callable[[dict], None],
+                 mark_gap: Callable[[], None] = _nothing, current_step: Callable[[], int] = lambda: 0,
+                 on_phase: Callable[[bool], None] = _nothing,
+                 on_hang: Callable[[Optional[dict]], None] = _nothing,
+                 now: Callable[[], float] = time.perf_counter) -> None:
+        cfg = settings
+        self.errors = errors
+        self._write_record, self._mark_gap, self._current_step = write, mark_gap, current_step
+        self._on_phase, self._on_hang_report = on_phase, on_hang
+        self.run, self.rank = cfg.run, str(cfg.rank)
         self._base = (self.run, self.rank)
         self._train_thread: Optional[int] = None
         # the thread that builds the agent stands for the training thread until a forward or step names it:
@@ -157,7 +198,7 @@ class FleetAccounting:
                                     now=now)
         self.straggler = StragglerScore()
         lab = ["run", "rank"]
-        reg = agent.registry
+        reg = registry
         self.model_flops = Counter(M.MODEL_FLOPS_TOTAL.removesuffix("_total"), "Model FLOPs of the timed "
                                    "optimizer steps (no recomputation)", lab, registry=reg)
         self.hardware_flops = Counter(M.HARDWARE_FLOPS_TOTAL.removesuffix("_total"), "Executed FLOPs of the "
@@ -183,7 +224,6 @@ class FleetAccounting:
                 self._auto_ckpt = False
                 self.errors.count("checkpoint", exc)
         self._graphs = self._compiled_graphs()
-        self._probe_set = False  # stall_probe handed to the alert engine (built after this object)
 
     def attempt_record(self) -> dict:
         """The ``attempt`` timeline record that opens this process's part of the timeline.
@@ -253,7 +293,7 @@ class FleetAccounting:
             self.goodput.enter(bucket)
             if self.watchdog is not None:
                 self.watchdog.pause()
-            self._stall_target("pause")
+            self._on_phase(True)
             self._open.append((name, bucket, time.perf_counter()))
         except Exception as exc:  # noqa: BLE001
             self.errors.count("phase", exc)
@@ -284,10 +324,10 @@ class FleetAccounting:
             state = self.goodput.exit()
             if self.watchdog is not None:
                 self.watchdog.resume()
-            self._stall_target("resume")
+            self._on_phase(False)
             if state == "between" and not opened:
-                self.agent.mark_gap()  # the next step is timed from here: the phase stays out of step time
-            rec = {"kind": "phase", "name": pname, "bucket": bucket, "step": int(getattr(self.agent, "_step", 0)),
+                self._mark_gap()  # the next step is timed from here: the phase stays out of step time
+            rec = {"kind": "phase", "name": pname, "bucket": bucket, "step": int(self._current_step()),
                    "seconds": time.perf_counter() - t0, "timestamp": wall}
             self._write(rec)
             if bucket == "checkpoint_save":
@@ -295,16 +335,6 @@ class FleetAccounting:
                              "source": pname, "timestamp": rec["timestamp"]})
         except Exception as exc:  # noqa: BLE001
             self.errors.count("phase", exc)
-
-    def _stall_target(self, what: str) -> None:
-        """Pause or resume the stall clock: the agent's (both alert paths share it), else the engine's store."""
-        clock = getattr(self.agent, "stall_clock", None)
-        if clock is not None:
-            getattr(clock, what)()
-            return
-        store = getattr(getattr(self.agent, "alerts", None), "store", None)
-        if store is not None and hasattr(store, f"{what}_stall"):
-            getattr(store, f"{what}_stall")()
 
     def open_phase(self) -> Optional[str]:
         """The name of the innermost open phase, or ``None``."""
@@ -328,7 +358,7 @@ class FleetAccounting:
 
     def _write(self, record: dict) -> None:
         try:
-            self.agent.timeline.write(record)
+            self._write_record(record)
         except Exception as exc:  # noqa: BLE001 - a full disk must not break a phase
             self.errors.count("timeline", exc)
 
@@ -340,11 +370,6 @@ class FleetAccounting:
         ``flops_per_step(tokens_per_step)`` gives ``(model, hardware)`` FLOPs of one step.
         """
         try:
-            if not self._probe_set:  # once: the engine exists by now, and no stall fires before a report
-                self._probe_set = True
-                alerts = getattr(self.agent, "alerts", None)
-                if alerts is not None and hasattr(alerts, "stall_probe"):
-                    alerts.stall_probe = self.stall_context
             if steps <= 0:
                 return
             if not (seconds == seconds and seconds > 0):  # NaN: the untimed first step
@@ -377,10 +402,8 @@ class FleetAccounting:
                 "step": report.step, "elapsed_seconds": report.elapsed_seconds, "source": "hang_watchdog"}
 
     def _tell_alerts(self, report: Optional[dict]) -> None:
-        alerts = getattr(self.agent, "alerts", None)
-        if alerts is not None and hasattr(alerts, "observe_hang"):
-            with self.errors.guard("watchdog"):
-                alerts.observe_hang(report)
+        with self.errors.guard("watchdog"):
+            self._on_hang_report(report)
 
     def stall_context(self) -> Optional[dict]:
         """Where the training thread waits now, for a ``TrainingStalled`` alert (the engine's ``stall_probe``).
@@ -404,7 +427,7 @@ class FleetAccounting:
             except Exception as exc:  # noqa: BLE001 - the flight recorder is optional
                 self.errors.count("watchdog", exc)
             return {"where": stack[-1], "stack": stack, "last_collective": collective,
-                    "step": int(getattr(self.agent, "_step", 0) or 0), "source": "alert"}
+                    "step": int(self._current_step() or 0), "source": "alert"}
         except Exception as exc:  # noqa: BLE001
             self.errors.count("watchdog", exc)
             return None

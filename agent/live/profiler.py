@@ -25,7 +25,7 @@ set unless the environment sets it (pytorch/pytorch#144455), and a median step i
 a window above the one before by more than :data:`LASTING_SLOWDOWN`, in two checks 16 steps
 apart, stops further windows.
 
-Peaks: the ``peaks`` given (the agent passes what :func:`mfuwatch.agent.peaks.resolve_peaks`
+Peaks: the ``peaks`` given (the agent passes what :func:`mfuwatch.agent.device.peaks.resolve_peaks`
 found for its GPU, PCI id first), else ``resolve_peaks`` by the CUDA device name, else a
 calibration. They reach the child in one form, :meth:`Peaks.to_dict` as a JSON file read back
 by ``mfuwatch analyze --peaks``. On a CPU-only run the window records CPU ops and is analysed
@@ -48,14 +48,13 @@ import time
 import warnings
 from typing import Any, Callable, Dict, Optional
 
-from .peaks import Peaks
-from .schema import WindowMeasurement, window_from_record
+from ..device.peaks import Peaks
+from ..schema import WindowMeasurement, window_from_record
 
 log = logging.getLogger("mfuwatch")
 
 #: Relative step-time increase after a window, sustained over 16 steps, reported as a lasting slowdown.
 LASTING_SLOWDOWN = 0.10
-_CPU_PEAKS: Optional[Peaks] = None  # one CPU calibration per process
 
 
 class ProfilerSampler:
@@ -67,15 +66,15 @@ class ProfilerSampler:
         warmup_steps: profiler warm-up steps before recording (0 allowed; torch warns).
         active_steps: recorded steps per window (>= 1).
         device: the training ``torch.device``; "cuda" records CUDA activities too.
-        peaks: :class:`~mfuwatch.agent.peaks.Peaks` (or what :meth:`Peaks.from_any` accepts) of the
-            device; None ⇒ :func:`~mfuwatch.agent.peaks.resolve_peaks` by CUDA device name, else calibrated.
+        peaks: :class:`~mfuwatch.agent.device.peaks.Peaks` (or what :meth:`Peaks.from_any` accepts) of the
+            device; None ⇒ :func:`~mfuwatch.agent.device.peaks.resolve_peaks` by CUDA device name, else calibrated.
         top_k: ops kept in ``WindowMeasurement.top_ops``.
         on_window: called with each :class:`WindowMeasurement`, from a waiter thread.
         on_error: ``on_error("profiler", exc)`` for every failure (never raised to the caller).
         max_trace_bytes: larger exported traces are not analysed (default 1 GiB).
         analyze_timeout_seconds: the child is killed after this long (default 300 s).
-        shared_key: when set (CPU ranks of one job), the CPU calibration is shared through
-            :func:`mfuwatch.agent.calib_cache.shared_value` under this key.
+        shared_key: when set (CPU ranks of one job: ``"<run>|<host>"``), a calibration is shared by
+            the ranks on this host (:func:`mfuwatch.agent.device.calibrate.measured`).
         on_outcome: optional ``on_outcome(outcome)`` per window, outcome one of "ok", "error",
             "skipped_other_profiler", "skipped_busy", "too_large" (for ``mfuwatch_profile_windows_total{outcome}``);
             the same counts are kept in :attr:`windows`.
@@ -363,42 +362,26 @@ class ProfilerSampler:
         to the unit torch runs fp32 matmuls on now ("tf32" when CUDA matmuls may use TF32)."""
         import dataclasses
 
-        from .peaks import torch_allows_tf32
+        from ..device.peaks import torch_allows_tf32
 
         p = self.peaks if self.peaks is not None else self._find_peaks()
         tf32 = self.cuda and torch_allows_tf32()
         return dataclasses.replace(p, fp32_matmul="tf32" if tf32 else "fp32")
 
     def _find_peaks(self) -> Peaks:
-        """No peaks given: the peak table by CUDA device name, else a calibration (blocks, once)."""
+        """No peaks given: the peak table by CUDA device name, else a calibration (blocks, once per process;
+        the CPU ranks of one job share one, :func:`~mfuwatch.agent.device.calibrate.measured`)."""
         import torch
 
-        from . import peaks as table
-        from .calibrate import calibrate_bandwidth, calibrate_matmul
+        from ..device.calibrate import calibrated_peaks
+        from ..device.peaks import resolve_peaks
 
         if self.cuda:
-            found = table.resolve_peaks(name=torch.cuda.get_device_name(self.device), warn=False)
+            found = resolve_peaks(name=torch.cuda.get_device_name(self.device), warn=False)
             if found is not None:
                 return found
-            bw = calibrate_bandwidth(self.device)
-            return Peaks(peak_flops={k: calibrate_matmul(self.device, k) for k in ("fp32", "bf16", "fp16")},
-                         memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
-                         source="calibrated")
-        global _CPU_PEAKS
-        if _CPU_PEAKS is None:
-            measure_bw = lambda: calibrate_bandwidth(self.device)  # noqa: E731
-            measure_mm = lambda: calibrate_matmul(self.device, "fp32")  # noqa: E731
-            if self._shared_key:  # the CPU ranks of one job classify windows against one calibration
-                from .calib_cache import shared_value
-
-                bw = shared_value(self._shared_key + "|bandwidth", measure_bw)
-                mm = shared_value(self._shared_key + "|fp32 matmul", measure_mm)
-            else:
-                bw, mm = measure_bw(), measure_mm()
-            _CPU_PEAKS = Peaks(peak_flops={"fp32": mm},
-                               memory_bandwidth_bytes_per_second=bw, measured_bandwidth_bytes_per_second=bw,
-                               name="cpu", source="calibrated")
-        return _CPU_PEAKS
+            return calibrated_peaks(self.device, ("fp32", "bf16", "fp16"), self._shared_key)
+        return calibrated_peaks(self.device, ("fp32",), self._shared_key)
 
     def close(self, wait_seconds: float = 0.8) -> None:
         """Stop any window; give a running analysis up to ``wait_seconds`` to finish and deliver its

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from .schema import M
+from ..schema import M
 
 _HISTOGRAMS = (M.STEP_DURATION_SECONDS,)
 

@@ -1,4 +1,4 @@
-"""The training-thread side of the agent: forward hooks, the optimizer step hook, ``step()``, phases.
+"""The training-thread side of the agent: forward hooks, the optimizer step hook, ``step()``, ``mark_gap()``.
 
 These run on the training thread and do the least: add a batch's tokens (shape reads
 only), record a step-clock marker (a CUDA event on GPUs: no host-device sync), and hand
@@ -8,14 +8,14 @@ reaches the training loop.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
-from . import peaks
+from ..device import peaks
 
 log = logging.getLogger("mfuwatch")
 
@@ -51,21 +51,69 @@ def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
 
 
 
-class TrainingHooks:
-    """Mixin of :class:`~mfuwatch.agent.core.Agent`: everything the training thread calls.
+@dataclass(frozen=True)
+class HookWiring:
+    """What the training-thread hooks feed, as narrow callables (each never raises into the hooks,
+    or is guarded by them): ``mark(step, tokens, loss)`` records a step-clock boundary and returns its
+    wall-clock stamp; ``clock_start()`` times the first step from its first forward; ``clock_gap(step)``
+    leaves the time since the last step out of step timing; ``on_dtype(key)`` is told the training
+    dtype when a forward first shows it or it changes; ``forward_start()`` and ``boundary(step)`` are
+    fleet accounting's; ``on_step(step)`` is the profiler sampler's; ``last_step_wall(t)`` sets the
+    exporter's last-step time."""
 
-    Owns the training-thread state ``_step``, ``_pending_tokens``, ``_seq_len``,
-    ``_pending_loss``, ``_clock_started``, ``_explicit_warned`` and ``_handles``; sets
-    ``_dtype_key`` at the first training forward; feeds ``clock``, ``flop_model``,
-    ``fleet``, ``profiler`` and the exporter's last-step time.
+    mark: Callable[[int, int, Any], float]
+    clock_start: Callable[[], None]
+    clock_gap: Callable[[int], None]
+    on_dtype: Callable[[str], None]
+    forward_start: Callable[[], None]
+    boundary: Callable[[int], None]
+    on_step: Callable[[int], None]
+    last_step_wall: Callable[[float], None]
+    stall_step: Callable[[], None] = lambda: None  # the stall clock's step(): both alert paths read it
+
+
+class TrainingHooks:
+    """Everything the training thread calls: forward hooks, the optimizer step hook, ``step()``, ``mark_gap()``.
+
+    Owns the training-thread state: the optimizer step count (:attr:`step`), the tokens counted since
+    the last boundary, the sequence length (:attr:`seq_len`), the pending loss, the training dtype key
+    (:attr:`dtype_key`) and the hook handles. Args: ``device`` (the training ``torch.device``),
+    ``flop_model`` (its ``on_forward_start/on_forward_end/on_step_end``, which never raise),
+    ``errors`` (counts failures under ``hooks``), ``wiring`` (:class:`HookWiring`), ``tokens_per_step``
+    (the configured count, or None to count inputs), ``dtype`` (a configured dtype key: final, not
+    detected) and ``has_optimizer`` (``step()`` is then ignored, once with a warning).
     """
 
-    def _install_hooks(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
+    def __init__(self, *, device: torch.device, flop_model: Any, errors: Any, wiring: HookWiring,
+                 tokens_per_step: Optional[int] = None, dtype: Optional[str] = None,
+                 has_optimizer: bool = False) -> None:
+        self.device, self.flop_model, self.errors, self.wiring = device, flop_model, errors, wiring
+        self.tokens_per_step, self.configured_dtype, self.has_optimizer = tokens_per_step, dtype, has_optimizer
+        self.step = 0
+        self.seq_len: Optional[int] = None
+        self.dtype_key: Optional[str] = dtype
+        self.closed = False
+        self._pending_tokens = 0
+        self._pending_loss: Any = None
+        self._clock_started = False
+        self._explicit_warned = False
+        self._handles: list = []
+
+    def install(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Register the forward pre/post hooks on ``model`` and the step post-hook on ``optimizer``."""
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._post_forward))
         if optimizer is not None:
             self._handles.append(optimizer.register_step_post_hook(self._post_optimizer_step))
+
+    def close(self) -> None:
+        """Remove the hooks; later calls do nothing. Never raises (failures counted under ``close``)."""
+        self.closed = True
+        for h in self._handles:
+            with self.errors.guard("close"):
+                h.remove()
+        self._handles.clear()
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
@@ -74,19 +122,18 @@ class TrainingHooks:
                 # a metric pass in model.eval() (with or without no_grad) is not training. A model trained
                 # in eval mode passes its tokens with step(tokens=...) or tokens_per_step.
                 return None
-            if self.fleet is not None:
-                self.fleet.forward_start()  # fleet: goodput's input-wait / step split
-            if self.config.tokens_per_step is None:
+            self.wiring.forward_start()  # fleet: goodput's input-wait / step split
+            if self.tokens_per_step is None:
                 n, seq = count_tokens(args, kwargs)
                 self._pending_tokens += n
                 if seq:
-                    self._seq_len = seq
-            if self._step == 0 and not self._clock_started:
+                    self.seq_len = seq
+            if self.step == 0 and not self._clock_started:
                 self._clock_started = True
-                self.clock.start()  # time the first step from its first forward
-            if self._dtype_key is None:
-                self._detect_dtype(module)
-            self.flop_model.on_forward_start(args, kwargs, self._step)  # never raises
+                self.wiring.clock_start()  # time the first step from its first forward
+            if self.configured_dtype is None:  # a configured dtype is final
+                self._detect_dtype(module)  # the first forward shows the dtype; a change re-chooses the peak
+            self.flop_model.on_forward_start(args, kwargs, self.step)  # never raises
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
         return None
@@ -107,77 +154,32 @@ class TrainingHooks:
             autocast_dtype = None
         p = next(module.parameters(), None)
         param_dtype = p.dtype if p is not None else torch.float32
-        self._dtype_key = peaks.training_dtype_key(param_dtype, autocast_dtype, dev == "cuda" and peaks.torch_allows_tf32())
-        self.run_info.dtype = self._dtype_key
-        self._run_info_dirty = True
-        if self._peak is None:
-            self._choose_mfu_peak()
+        key = peaks.training_dtype_key(param_dtype, autocast_dtype, dev == "cuda" and peaks.torch_allows_tf32())
+        if key != self.dtype_key:
+            self.dtype_key = key
+            self.wiring.on_dtype(key)
 
     def _post_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._boundary(None, None)
+        self.boundary(None, None)
 
-    def step(self, tokens: Optional[int] = None, loss: Any = None) -> None:
-        """Mark the end of one optimizer step (use when no optimizer was given to the agent).
-
-        Args:
-            tokens: tokens processed in this step (all micro-batches); default: counted
-                from the model's inputs, or ``tokens_per_step``.
-            loss: optional loss value (float or 0-d tensor), recorded in the timeline
-                without a device sync on this thread.
-        """
-        if self.optimizer is not None:
+    def explicit_step(self, tokens: Optional[int] = None, loss: Any = None) -> None:
+        """``Agent.step()``: a boundary, unless the optimizer's hook marks them (then ignored, warned once)."""
+        if self.has_optimizer:
             if not self._explicit_warned:
                 self._explicit_warned = True
                 log.warning("mfuwatch: agent.step() ignored: the optimizer's step hook already marks steps "
                             "(use record_loss() to attach a loss)")
             return
-        self._boundary(tokens, loss)
+        self.boundary(tokens, loss)
 
     def mark_gap(self) -> None:
-        """Leave the time since the last optimizer step out of step timing (evaluation, checkpointing).
-
-        Call between optimizer steps on the training thread; the next step is timed
-        from here. Records one marker (a CUDA event on GPUs): no device sync.
-        Framework callbacks call it after evaluation and checkpoint saves.
-        """
-        if self._closed or (self._step == 0 and not self._clock_started):
+        """``Agent.mark_gap()``: the next step is timed from here. Nothing before the first forward."""
+        if self.closed or (self.step == 0 and not self._clock_started):
             return  # nothing is being timed yet
         try:
-            self.clock.mark_gap(self._step)
+            self.wiring.clock_gap(self.step)
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
-
-    # ------------------------------------------------------------------ phases
-    def phase(self, name: str) -> Any:
-        """``with agent.phase("eval"):`` / ``"checkpoint"`` / ``"checkpoint_load"``: time that is not training.
-
-        The block's time goes to its goodput bucket (``mfuwatch_goodput_seconds_total{bucket}``),
-        stays out of step time (the next step is timed from the block's end) and pauses the
-        stalled-loop alert (``TrainingStalled``) and the hang watchdog. Use it between optimizer
-        steps on the training thread. Exceptions inside the block propagate unchanged.
-
-        Raises:
-            ValueError: an unknown phase name (the message lists the accepted ones).
-        """
-        from .goodput import phase_bucket
-
-        bucket = phase_bucket(name)  # a typo fails at the call, naming the accepted names
-        fleet = self.fleet
-        if fleet is None or self._closed:
-            return contextlib.nullcontext()
-        from .fleet import Phase
-
-        return Phase(fleet, name, bucket)
-
-    def begin_phase(self, name: str) -> None:
-        """Open phase ``name`` without a ``with`` block (framework callbacks); never raises."""
-        if self.fleet is not None and not self._closed:
-            self.fleet.enter(name)
-
-    def end_phase(self, name: Optional[str] = None) -> None:
-        """Close the innermost open phase (only if it is ``name``, when given); never raises."""
-        if self.fleet is not None and not self._closed:
-            self.fleet.exit(name)
 
     def record_loss(self, loss: Any) -> None:
         """Attach a loss (float or tensor) to the current step; read later without a sync on this thread."""
@@ -186,13 +188,14 @@ class TrainingHooks:
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
 
-    def _boundary(self, tokens: Optional[int], loss: Any) -> None:
-        if self._closed:
+    def boundary(self, tokens: Optional[int], loss: Any) -> None:
+        """One optimizer step ended: count it, hand the clock its marker and the parts their boundary."""
+        if self.closed:
             return
         try:
-            self._step += 1
+            self.step += 1
             if tokens is None:
-                tokens = self.config.tokens_per_step if self.config.tokens_per_step is not None else self._pending_tokens
+                tokens = self.tokens_per_step if self.tokens_per_step is not None else self._pending_tokens
             self._pending_tokens = 0
             if loss is None:
                 loss, self._pending_loss = self._pending_loss, None
@@ -200,13 +203,10 @@ class TrainingHooks:
                 loss = loss.detach()
             self.flop_model.on_step_end(tokens)  # never raises; always leaves FlopCounterMode
             # the boundary's own wall-clock stamp: mfuwatch_last_step_timestamp_seconds moves per step, not per report
-            self.exporter.collector.last_step_wall = self.clock.mark(self._step, int(tokens or 0), loss)
-            self.stall_clock.step()  # both alert paths' stall clock (monotonic): a step ended now
-            if self.fleet is not None:
-                self.fleet.boundary(self._step)  # fleet: goodput bucket of the step, hang watchdog
-            prof = self.profiler
-            if prof is not None:
-                prof.on_step(self._step, self.latest.step_time_seconds if self.latest else None)
+            self.wiring.last_step_wall(self.wiring.mark(self.step, int(tokens or 0), loss))
+            self.wiring.stall_step()  # both alert paths' stall clock (monotonic): a step ended now
+            self.wiring.boundary(self.step)  # fleet: goodput bucket of the step, hang watchdog
+            self.wiring.on_step(self.step)  # profiler windows on their cadence
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
 

@@ -11,7 +11,7 @@ lands in exactly one bucket of :data:`BUCKETS`:
 ``warmup``           the first ``warmup_steps`` steps, and any step during which ``torch.compile`` compiled
                      a new graph (recompilation)
 ``checkpoint_save``  ``with agent.phase("checkpoint")``, and ``torch.save`` / ``torch.distributed.checkpoint``
-                     saves the agent hooked (:mod:`mfuwatch.agent.checkpoint_hooks`)
+                     saves the agent hooked (:mod:`mfuwatch.agent.fleet.checkpoint_hooks`)
 ``checkpoint_load``  ``with agent.phase("checkpoint_load")`` and the hooked loads
 ``eval``             ``with agent.phase("eval")``
 ``lost_progress``    steps re-done after a restart: the steps the previous attempt ran after its last
@@ -211,7 +211,7 @@ def tail_records(path: Any, max_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]
 def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
     """Progress the previous attempt of a run lost: steps it ran after its last checkpoint.
 
-    ``records`` is the run's own timeline (:func:`mfuwatch.agent.timeline.read_timeline`):
+    ``records`` is the run's own timeline (:func:`mfuwatch.agent.live.timeline.read_timeline`):
     each attempt (one process's agent) starts with an ``attempt`` record (the
     ``run`` records are not used: an attempt normally writes one, and another
     when its dtype or peak changes later); ``checkpoint`` records (kind
