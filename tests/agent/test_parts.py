@@ -164,8 +164,9 @@ def test_fleet_counters_from_intervals_without_an_agent():
     fleet.on_interval(2, 0.5, 64, lambda tokens_per_step: (1e9, 1.2e9))
     fleet.on_interval(1, float("nan"), 32, lambda tokens_per_step: (1e9, None))  # an untimed step
     labels = {"run": "alone", "rank": "3"}
-    assert registry.get_sample_value("mfuwatch_model_flops_total", labels) == 3e9
-    assert registry.get_sample_value("mfuwatch_hardware_flops_total", labels) == pytest.approx(2 * 1.2e9 + 1e9)
+    # the untimed step's FLOPs stay out too: job MFU is FLOPs over the step time that did them (issue 24)
+    assert registry.get_sample_value("mfuwatch_model_flops_total", labels) == 2e9
+    assert registry.get_sample_value("mfuwatch_hardware_flops_total", labels) == pytest.approx(2 * 1.2e9)
     assert registry.get_sample_value("mfuwatch_step_seconds_total", labels) == 0.5  # the untimed step adds none
     fleet.close()
 
