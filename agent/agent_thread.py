@@ -216,6 +216,8 @@ class AgentThread:
                 self.alerts.observe_step(m)
         with self.errors.guard("progress"):
             self._progress(m, final)
+        with self.errors.guard("exporter"):  # harden (#28): scrapes serve this report's bytes from now on
+            self.exporter.refresh()
 
     def _progress(self, m: StepMeasurement, final: bool) -> None:
         """The console line of this report: config ``progress`` true, or ``"auto"`` when no exporter serves

@@ -60,8 +60,14 @@ class Lifecycle:
         self.exporter_url = ""
         if cfg.exporter:
             try:
-                self.exporter_url = self.exporter.serve(cfg.exporter_port, cfg.bind, cfg.tls_certfile,
-                                                        cfg.tls_keyfile)
+                from .live.settings import auth_from_config  # harden (#28): bounded server, optional auth
+
+                self.exporter_url = self.exporter.serve(
+                    cfg.exporter_port, cfg.bind, cfg.tls_certfile, cfg.tls_keyfile,
+                    auth=auth_from_config(cfg.exporter_auth, ConfigError),
+                    max_connections=cfg.exporter_max_connections, read_timeout_s=cfg.exporter_read_timeout_seconds,
+                    handshake_timeout_s=cfg.tls_handshake_timeout_seconds, max_cpu_share=cfg.exporter_max_cpu_share,
+                    render_interval_s=cfg.exporter_render_interval_seconds)
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
