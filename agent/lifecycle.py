@@ -119,6 +119,15 @@ class Lifecycle:
                         "them twice. Close the first agent (agent.close() or its with-block) before starting "
                         "another.", others[0].config.run, others[0].config.rank)
         _live_agents.add(self)
+        # harden (#28): a forked child gets an inert agent; preemption signals close the agent, then pass on
+        from .live import forksafe, preemption
+
+        self._unfork = forksafe.protect_agent(self, _live_agents)
+        self._unsignal = lambda: None
+        try:
+            self._unsignal = preemption.attach(self)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("preemption", exc)
         if self.exporter_url:
             log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)
 
@@ -201,17 +210,34 @@ class Lifecycle:
             self.profiler = None
 
     # ------------------------------------------------------------------ closing
-    def close(self, timeout: float = 1.0) -> None:
+    def close(self, timeout: float = 1.0, *, reason: str = "run ended", budget_s: Optional[float] = None) -> None:
         """Remove the hooks, flush the last measurement, stop threads and the server. Idempotent.
 
         Args:
             timeout: seconds a profiler-window analysis still running may take to deliver its window
                 (its result is dropped after that). The default keeps ``close()`` short at the end of a
                 job; the demo passes a longer one so a short run still shows its last window.
+            reason: the ``resolved_reason`` of the alerts still firing (``"run preempted (SIGTERM)"`` from
+                :mod:`mfuwatch.agent.live.preemption`).
+            budget_s: when given, the whole close is paced to end within about this many seconds (the
+                preemption handler's bound): each wait gets its share of what is left.
         """
         if self._closed:
             return
         self._closed = True
+        import time as _time
+
+        deadline = None if budget_s is None else _time.monotonic() + budget_s
+
+        def left(default: float, share: float = 1.0) -> float:  # harden (#28): a wait's share of the budget
+            if deadline is None:
+                return default
+            return max(0.0, min(default, (deadline - _time.monotonic()) * share))
+
+        for undo in (getattr(self, "_unsignal", None), getattr(self, "_unfork", None)):
+            if undo is not None:
+                with self.errors.guard("close"):
+                    undo()
         for h in self._handles:
             with self.errors.guard("close"):
                 h.remove()
@@ -223,19 +249,19 @@ class Lifecycle:
                 torch.cuda.synchronize(self.device)
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=left(5.0, 0.4))
         if self.profiler is not None:
             with self.errors.guard("close"):
-                self.profiler.close(wait_seconds=timeout)
+                self.profiler.close(wait_seconds=left(timeout, 0.2))
         if self.nvml is not None:
             with self.errors.guard("close"):
                 self.nvml.close()
         if self.alerts is not None:
             with self.errors.guard("close"):
                 self.alerts.evaluate()  # once more: the last report and window arrived during close
-                self.alerts.close()
+                self.alerts.close(timeout=left(2.0, 0.75), reason=reason)
         with self.errors.guard("close"):
-            self.exporter.close()
+            self.exporter.close(timeout=left(1.0, 0.5))
         if self._sd_target is not None:
             with self.errors.guard("close"):
                 self._sd_target.remove()

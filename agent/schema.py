@@ -77,6 +77,7 @@ class M:
     GPU_ECC_ERRORS_TOTAL = PREFIX + "gpu_ecc_errors_total"  # {type}
     # the agent itself and the notifiers
     AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
+    SIGNALS_TOTAL = PREFIX + "signals_total"  # {signal}: preemption signals the agent closed on (agent/live)
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
     # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet.py) ---
@@ -104,6 +105,7 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.GPU_CLOCK_EVENT_REASON: ("reason",),
     M.GPU_ECC_ERRORS_TOTAL: ("type",),
     M.AGENT_ERRORS_TOTAL: ("component",),
+    M.SIGNALS_TOTAL: ("signal",),
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
     M.ALERTS_FIRING: ("alertname", "severity"),
     M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/goodput.py
