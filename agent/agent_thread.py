@@ -114,6 +114,9 @@ class AgentThread:
         """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
         broken exporter is counted under its component while steps are still counted and alerts still fed."""
         polled_at = time.time()
+        if self.fleet is not None:  # harden (#28): the attempt record, after the resume read, before the run record
+            with self.errors.guard("fleet"):
+                self.fleet.ensure_attempt_written()
         intervals = []
         with self.errors.guard("clock"):
             intervals = self.clock.poll()

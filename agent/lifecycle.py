@@ -106,8 +106,8 @@ class Lifecycle:
         # the run record goes first once the dtype and peak settle (the first forward); the timeline holds
         # what comes before it, such as the attempt record (agent/timeline.py)
         self.timeline.start_header(self._run_record)
-        if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
-            self._write(self.fleet.attempt_record())
+        # fleet: the attempt record (and what the previous attempt lost) is written by the agent thread once the
+        # resume read, off this thread, has finished (harden #28: FleetAccounting.ensure_attempt_written)
         self._run_info_dirty = False
         self._acc = _ReportSums()
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
