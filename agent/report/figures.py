@@ -130,7 +130,7 @@ def step_time_figure(steps: List[_Rec], quantile: Optional[Any] = None) -> go.Fi
     """Mean step time per report interval, with the p50/p90/p99 over the run (weighted by steps).
 
     ``quantile(q)``, when given, computes the run's quantiles (the report passes the exact ones of every
-    step record, :meth:`mfuwatch.agent.report.load.StepColumns.quantile`, as ``steps`` may be downsampled).
+    step record, :meth:`mfuwatch.agent.report.load.Columns.quantile`, as ``steps`` may be downsampled).
     """
     title = "Step time"
     if not steps:

@@ -5,13 +5,14 @@ record every 10 s). The report needs, per kind:
 
 * the run's facts (``run`` records), the latest profiler window in full, every alert (up to
   :data:`MAX_ALERTS`; past it the count of the others is kept and shown);
-* exact run-wide medians and quantiles of the step series: one float64 per record and field
-  in :class:`StepColumns` (48 bytes a step record, against ~1 KB for the parsed dict);
-* what the charts draw: at most :data:`MAX_POINTS` points per kind. Past that, adjacent records
-  are merged pairwise (:func:`merge_steps`: means weighted by the steps each covers; GPU samples:
-  plain means; windows: every other one kept), so a chart of a month-long run has the shape of the
-  whole run in a few thousand points. :attr:`TimelineData.merged` says how many records each
-  drawn point stands for.
+* every step, GPU and window record's numbers, one float64 per record and field in
+  :class:`Columns` (64 bytes a step record, against ~1 KB for the parsed dict): the run-wide
+  medians and quantiles are exact;
+* what the charts draw: at most :data:`MAX_POINTS` points per kind, built from the columns at the
+  end. Past that, consecutive records are grouped into one point (:meth:`Columns.points`: means
+  weighted by the steps each record covers; GPU samples: plain means; a window point shows its
+  group's last breakdown), so a chart of a month-long run has the shape of the whole run in a few
+  thousand points. :attr:`TimelineData.merged` says how many records one drawn point stands for.
 
 Lines are read one at a time, each at most :data:`MAX_LINE_BYTES`; a longer or malformed line
 (other than a torn last line, which a killed job leaves) is an error naming its line number.
@@ -23,9 +24,9 @@ import json
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-#: points per chart series at most (each merge halves the list when it reaches twice this)
+#: points per chart series at most (consecutive records are grouped into one point past it)
 MAX_POINTS = 4000
 #: alert records listed at most (the others are counted)
 MAX_ALERTS = 10000
@@ -33,30 +34,42 @@ MAX_ALERTS = 10000
 MAX_LINE_BYTES = 16 << 20
 #: step-record fields kept exactly for the run-wide medians and quantiles
 STEP_FIELDS = ("mfu", "hfu", "model_flops_per_second", "tokens_per_second", "step_time_seconds")
-#: numeric step fields averaged (weighted by ``steps``) when two drawn points merge
-_STEP_MEAN = STEP_FIELDS + ("tokens_per_step", "loss")
+#: GPU-record fields the health chart draws
+GPU_FIELDS = ("utilization", "tensor_active", "dram_active", "sm_active", "power_watts", "power_limit_watts",
+              "temperature_celsius", "memory_used_bytes", "memory_total_bytes")
 
 
-class StepColumns:
-    """Every step record's value of each :data:`STEP_FIELDS` field and its weight (``steps``), as float64 arrays.
+def _num(x: Any, default: float) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return default
+    return float(x)
 
-    A missing value is stored as NaN and left out of its field's quantiles.
+
+class Columns:
+    """One float64 array per field of a record kind, a record per row (NaN: missing), and a weight per row.
+
+    Args:
+        fields: fields averaged into a drawn point (weighted by the rows' weights).
+        last: fields a drawn point takes from its last row (``timestamp``, ``step``).
+        weight: the field holding a row's weight (``steps`` for step records), or ``None`` (weight 1).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fields: Sequence[str], last: Sequence[str] = ("timestamp",), weight: Optional[str] = None):
+        self.fields, self.last, self.weight = tuple(fields), tuple(last), weight
         self.weights = array("d")
-        self.values: Dict[str, array] = {k: array("d") for k in STEP_FIELDS}
+        self.values: Dict[str, array] = {k: array("d") for k in self.fields + self.last}
 
     def add(self, rec: Dict[str, Any]) -> None:
-        self.weights.append(_num(rec.get("steps"), 1.0))
+        nan = float("nan")
+        self.weights.append(_num(rec.get(self.weight), 1.0) if self.weight else 1.0)
         for k, col in self.values.items():
-            col.append(_num(rec.get(k), float("nan")))
+            col.append(_num(rec.get(k), nan))
 
     def __len__(self) -> int:
         return len(self.weights)
 
     def quantile(self, key: str, q: float) -> Optional[float]:
-        """The weighted quantile ``q`` of field ``key`` (inverted CDF, as
+        """The weighted quantile ``q`` of field ``key`` over every row (inverted CDF, as
         :func:`mfuwatch.agent.report.figures.weighted_quantile`), or ``None`` without values."""
         import numpy as np
 
@@ -71,20 +84,60 @@ class StepColumns:
         i = int(np.searchsorted(cum, q * cum[-1], side="left"))
         return float(v[order][min(i, v.size - 1)])
 
+    def points(self, kind: str, max_points: int) -> Tuple[List[Dict[str, Any]], int]:
+        """At most ``max_points`` drawn records, each standing for ``group`` consecutive rows (the last
+        group may be shorter): weighted means of :attr:`fields` over the rows where they are present,
+        :attr:`last` fields of the group's last row, the weight field summed. Returns ``(records, group)``."""
+        import numpy as np
 
-def _num(x: Any, default: float) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return default
-    return float(x)
+        n = len(self)
+        if n == 0:
+            return [], 1
+        group = max(1, -(-n // max_points))
+        starts = np.arange(0, n, group)
+        w = np.frombuffer(self.weights, dtype=np.float64)
+        cols: Dict[str, Any] = {}
+        for k in self.fields:
+            v = np.frombuffer(self.values[k], dtype=np.float64)
+            ok = np.isfinite(v)
+            wv = np.where(ok, w, 0.0)
+            num = np.add.reduceat(np.where(ok, v * w, 0.0), starts)
+            den = np.add.reduceat(wv, starts)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                cols[k] = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+        ends = np.minimum(starts + group, n) - 1
+        for k in self.last:
+            cols[k] = np.frombuffer(self.values[k], dtype=np.float64)[ends]
+        wsum = np.add.reduceat(w, starts)
+        out = []
+        for i in range(starts.size):
+            rec: Dict[str, Any] = {"kind": kind}
+            for k, c in cols.items():
+                x = float(c[i])
+                rec[k] = x if x == x else None
+            if self.weight:
+                rec[self.weight] = float(wsum[i])
+            if rec.get("step") is not None:
+                rec["step"] = int(rec["step"])
+            out.append(rec)
+        return out, group
+
+
+def merge_steps(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    """One drawn point for two adjacent step records (what :meth:`Columns.points` does for a group of two)."""
+    c = Columns(STEP_FIELDS, last=("timestamp", "step"), weight="steps")
+    c.add(a)
+    c.add(b)
+    return c.points("step", 1)[0][0]
 
 
 @dataclass
 class TimelineData:
     """The records of one run, grouped by kind, in file order (timestamps ascending), bounded in size.
 
-    ``steps``/``windows``/``gpus`` are what the charts draw (downsampled past :data:`MAX_POINTS`);
-    ``step_columns`` has every step record's values for exact medians; ``last_window`` is the latest
-    window record in full; ``alerts`` the first :data:`MAX_ALERTS` alert records and
+    ``steps``/``windows``/``gpus`` are what the charts draw (at most :data:`MAX_POINTS` each, grouped
+    past that); ``step_columns`` has every step record's values for exact medians; ``last_window`` is
+    the latest window record in full; ``alerts`` the first :data:`MAX_ALERTS` alert records and
     ``alerts_not_listed`` the count of the others; ``merged[kind]`` how many records one drawn point
     stands for (1: none merged); ``counts[kind]`` the records read.
     """
@@ -94,79 +147,27 @@ class TimelineData:
     windows: List[Dict[str, Any]] = field(default_factory=list)
     gpus: List[Dict[str, Any]] = field(default_factory=list)
     alerts: List[Dict[str, Any]] = field(default_factory=list)
-    step_columns: StepColumns = field(default_factory=StepColumns)
+    step_columns: Columns = field(default_factory=lambda: Columns(STEP_FIELDS, ("timestamp", "step"), "steps"))
+    gpu_columns: Columns = field(default_factory=lambda: Columns(GPU_FIELDS))
+    window_columns: Columns = field(default_factory=lambda: Columns(("memory_bound_share",), ("timestamp", "step")))
+    window_breakdowns: List[Dict[str, float]] = field(default_factory=list)
     last_window: Dict[str, Any] = field(default_factory=dict)
     alerts_not_listed: int = 0
     merged: Dict[str, int] = field(default_factory=lambda: {"step": 1, "window": 1, "gpu": 1})
     counts: Dict[str, int] = field(default_factory=lambda: {"step": 0, "window": 0, "gpu": 0, "alert": 0})
-    # pending halves of a merge: a record waiting for its partner at the current stride
-    _carry: Dict[str, Any] = field(default_factory=dict, repr=False)
-
-
-def merge_steps(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    """One drawn point for two adjacent step records: ``b``'s step and timestamp, summed ``steps`` and
-    ``tokens``, and the other numeric fields averaged with the steps each covers as weights."""
-    wa, wb = _num(a.get("steps"), 1.0), _num(b.get("steps"), 1.0)
-    out = dict(b)
-    out["steps"] = wa + wb
-    out["tokens"] = _num(a.get("tokens"), 0.0) + _num(b.get("tokens"), 0.0)
-    for k in _STEP_MEAN:
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and wa + wb > 0:
-            out[k] = (va * wa + vb * wb) / (wa + wb)
-        elif va is not None and vb is None:
-            out[k] = va
-    return out
-
-
-def _merge_gpu(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(b)
-    for k, vb in b.items():
-        va = a.get(k)
-        if k != "timestamp" and isinstance(va, (int, float)) and isinstance(vb, (int, float)) and \
-                not isinstance(vb, bool):
-            out[k] = (va + vb) / 2.0
-    return out
-
-
-_WINDOW_KEEP = ("kind", "step", "timestamp", "breakdown", "memory_bound_share")
-
-
-def _add_point(data: TimelineData, kind: str, rec: Dict[str, Any]) -> None:
-    """Append a drawn point, merging ``merged[kind]`` consecutive records into one (see the module docstring)."""
-    series = {"step": data.steps, "window": data.windows, "gpu": data.gpus}[kind]
-    stride = data.merged[kind]
-    if stride > 1:  # combine `stride` consecutive records into one point
-        acc = data._carry.get(kind)
-        if acc is None:
-            data._carry[kind] = (rec, 1)
-            return
-        prev, n = acc
-        rec = _merge(kind, prev, rec)
-        n += 1
-        if n < stride:
-            data._carry[kind] = (rec, n)
-            return
-        data._carry.pop(kind, None)
-    series.append(rec)
-    if len(series) >= 2 * MAX_POINTS:
-        series[:] = [_merge(kind, series[i], series[i + 1]) for i in range(0, len(series) - 1, 2)]
-        data.merged[kind] = stride * 2
-
-
-def _merge(kind: str, a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
-    if kind == "step":
-        return merge_steps(a, b)
-    if kind == "gpu":
-        return _merge_gpu(a, b)
-    return b  # windows: the later one stands for both
 
 
 def _finish(data: TimelineData) -> TimelineData:
-    for kind, series in (("step", data.steps), ("window", data.windows), ("gpu", data.gpus)):
-        acc = data._carry.pop(kind, None)
-        if acc is not None:
-            series.append(acc[0])  # the last, partial group: drawn too (the run's end is never dropped)
+    data.steps, data.merged["step"] = data.step_columns.points("step", MAX_POINTS)
+    data.gpus, data.merged["gpu"] = data.gpu_columns.points("gpu", MAX_POINTS)
+    data.gpus = [{k: v for k, v in g.items() if v is not None} for g in data.gpus]
+    windows, group = data.window_columns.points("window", MAX_POINTS)
+    data.merged["window"] = group
+    for i, w in enumerate(windows):  # a grouped window point shows the breakdown of the group's last window
+        bd = data.window_breakdowns[min(len(data.window_breakdowns) - 1, (i + 1) * group - 1)]
+        w["breakdown"] = bd
+    data.windows = windows
+    data.window_breakdowns = []
     return data
 
 
@@ -211,23 +212,24 @@ def load_timeline(path: Union[str, Path]) -> TimelineData:
 
 def _absorb(data: TimelineData, rec: Dict[str, Any]) -> TimelineData:
     kind = rec.get("kind")
-    if kind == "run":
+    if kind == "step":
+        data.counts["step"] += 1
+        data.step_columns.add(rec)
+    elif kind == "gpu":
+        data.counts["gpu"] += 1
+        data.gpu_columns.add(rec)
+    elif kind == "run":
         same = data.run and (rec.get("run"), rec.get("rank")) == (data.run.get("run"), data.run.get("rank"))
         if same:
             data.run.update({k: v for k, v in rec.items() if v not in (None, "", {}, [])})
             return data
         return TimelineData(run=rec)
-    if kind == "step":
-        data.counts["step"] += 1
-        data.step_columns.add(rec)
-        _add_point(data, "step", rec)
     elif kind == "window":
         data.counts["window"] += 1
         data.last_window = rec
-        _add_point(data, "window", {k: rec[k] for k in _WINDOW_KEEP if k in rec})
-    elif kind == "gpu":
-        data.counts["gpu"] += 1
-        _add_point(data, "gpu", rec)
+        data.window_columns.add(rec)
+        bd = rec.get("breakdown")
+        data.window_breakdowns.append(bd if isinstance(bd, dict) else {})
     elif kind == "alert":
         data.counts["alert"] += 1
         if len(data.alerts) < MAX_ALERTS:

@@ -53,10 +53,10 @@ def test_downsampled_charts_keep_every_step_and_exact_medians(tmp_path):
     rows, last = _write(path, 20000, n_gpu=10000)
     data = load_timeline(path)
     assert data.counts["step"] == 20000
-    assert len(data.steps) < 2 * load_mod.MAX_POINTS and data.merged["step"] > 1
+    assert len(data.steps) <= load_mod.MAX_POINTS and data.merged["step"] > 1
     assert sum(s["steps"] for s in data.steps) == sum(k for _, k in rows)  # merged, not dropped
     assert data.steps[-1]["step"] == last
-    assert len(data.gpus) < 2 * load_mod.MAX_POINTS and data.counts["gpu"] == 10000
+    assert len(data.gpus) <= load_mod.MAX_POINTS and data.counts["gpu"] == 10000
     # the drawn mean of a merged point is the step-weighted mean of what it stands for
     total_time = sum(v * k for v, k in rows)
     drawn_time = sum(s["step_time_seconds"] * s["steps"] for s in data.steps)
@@ -75,9 +75,9 @@ def test_memory_grows_by_columns_not_by_records(tmp_path, monkeypatch):
         data = load_timeline(path)
         peaks[n] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        assert len(data.steps) < 1000 and data.counts["step"] == n
-    # 20k more records: ~48 bytes each in the columns (+ array over-allocation), not ~1 KB each as dicts
-    assert peaks[25000] - peaks[5000] < 20000 * 120, peaks
+        assert len(data.steps) <= 500 and data.counts["step"] == n
+    # 20k more records: 64 bytes each in the columns (+ array over-allocation), not ~1 KB each as dicts
+    assert peaks[25000] - peaks[5000] < 20000 * 200, peaks
 
 
 def test_alerts_past_the_cap_are_counted_and_lines_too_long_fail(tmp_path, monkeypatch):
