@@ -277,7 +277,7 @@ class Exporter:
     def serve(self, port: int, bind: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
               tries: int = 100, *, auth: Any = None, max_connections: int = 256, read_timeout_s: float = 10.0,
               handshake_timeout_s: float = 5.0, max_cpu_share: float = 0.03,
-              render_interval_s: float = 0.25) -> str:
+              render_interval_s: float = 0.5) -> str:
         """Start the HTTP(S) server (:mod:`mfuwatch.agent.live.http_server`) on ``port`` or, if busy, the next
         free port (up to ``tries`` ports).
 

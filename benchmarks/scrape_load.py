@@ -205,6 +205,7 @@ def main() -> int:
         n, mode = CONFIGS[name]
         ratios, base_meds, load_meds, stats = [], [], [], []
         threads_seen = []
+        cpu_shares: list = []
         for i in range(args.pairs):
             order = ("base", "load") if i % 2 == 0 else ("load", "base")
             meds = {}
@@ -213,7 +214,11 @@ def main() -> int:
                     meds[kind] = statistics.median(block(args.block_seconds))
                 else:
                     proc = scrapers(n, mode)
+                    srv = getattr(agent.exporter, "_server", None)
+                    c0, w0 = (srv.cpu_seconds if srv else 0.0), time.perf_counter()
                     meds[kind] = statistics.median(block(args.block_seconds))
+                    if srv is not None:
+                        cpu_shares.append((srv.cpu_seconds - c0) / (time.perf_counter() - w0))
                     threads_seen.append(threading.active_count())
                     out, _ = proc.communicate(input="", timeout=60)
                     stats.append(json.loads(out.strip().splitlines()[-1]))
@@ -230,6 +235,7 @@ def main() -> int:
             "p50_ms": statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]),
             "p99_ms": max([s["p99_ms"] for s in stats if s["p99_ms"] is not None] or [0]),
             "threads": max(threads_seen),
+            "server_cpu_share": round(statistics.median(cpu_shares), 4) if cpu_shares else None,
         }
         print(f"{name}: {results[name]}", flush=True)
     agent.close()
@@ -238,10 +244,11 @@ def main() -> int:
     print(f"\nserver={args.server} device={args.device} pairs={args.pairs} block={args.block_seconds}s "
           f"(training pinned to CPU {args.train_cpu}, scrapers to CPU {args.scrape_cpu})")
     print(f"{'config':<14} {'step ms (none)':>14} {'step ms (load)':>14} {'cost':>8} {'scrapes/s':>10} "
-          f"{'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'threads':>8}")
+          f"{'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'threads':>8} {'server CPU':>10}")
     for k, r in results.items():
         print(f"{k:<14} {r['base_step_ms']:>14} {r['load_step_ms']:>14} {r['cost'] * 100:>7.2f}% "
-              f"{r['scrapes_per_s']:>10} {r['failed']:>7} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['threads']:>8}")
+              f"{r['scrapes_per_s']:>10} {r['failed']:>7} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['threads']:>8} "
+              + (f"{r['server_cpu_share'] * 100:>9.2f}%" if r['server_cpu_share'] is not None else f"{'n/a':>10}"))
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"scrape_load_{args.server}_{args.device}.json").write_text(json.dumps(

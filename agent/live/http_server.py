@@ -177,7 +177,7 @@ def filter_exposition(text: bytes, names: Sequence[str]) -> bytes:
 
 
 class _Conn:
-    __slots__ = ("sock", "state", "buf", "out", "deadline", "opened", "keep_alive", "served")
+    __slots__ = ("sock", "state", "buf", "out", "deadline", "opened", "keep_alive", "served", "events")
 
     def __init__(self, sock, state: str, deadline: float, opened: float) -> None:
         self.sock = sock
@@ -188,6 +188,7 @@ class _Conn:
         self.opened = opened
         self.keep_alive = False
         self.served = 0
+        self.events = 1  # selectors.EVENT_READ: what the selector waits for on this socket
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
@@ -237,6 +238,8 @@ class MetricsServer:
         self.answered: Dict[int, int] = {}
         self.dropped: Dict[str, int] = {}
         self.throttled_seconds = 0.0
+        #: CPU seconds the loop thread has used (``time.thread_time``): rendering, TLS, requests
+        self.cpu_seconds = 0.0
 
     # ------------------------------------------------------------------ control (any thread)
     @property
@@ -344,6 +347,7 @@ class MetricsServer:
                         self._drop(c)
                 # hold the loop's CPU time under max_cpu_share of wall time
                 cpu = time.thread_time()
+                self.cpu_seconds += cpu - last_cpu
                 budget += (now - last_wall) * self.max_cpu_share - (cpu - last_cpu)
                 budget = min(budget, 0.05)
                 last_wall, last_cpu = now, cpu
@@ -436,8 +440,11 @@ class MetricsServer:
             pass
 
     def _set_events(self, c: _Conn, events: int) -> None:
+        if c.events == events:
+            return
         try:
             self._sel.modify(c.sock, events, c)
+            c.events = events
         except (KeyError, ValueError, OSError):
             self._drop(c)
 
@@ -509,18 +516,22 @@ class MetricsServer:
             self._answer(c, 401, b"unauthorized\n", close=not keep,
                          extra=b"WWW-Authenticate: " + self.auth.scheme.encode() + b' realm="mfuwatch"\r\n')
             return
-        try:
-            url = urlsplit(target.decode("latin-1"))
-        except ValueError:
-            self._answer(c, 400, b"bad request\n", close=True)
-            return
-        if url.path != "/metrics":
+        if target == b"/metrics":  # the common case: no query string to parse
+            path, query = "/metrics", ""
+        else:
+            try:
+                url = urlsplit(target.decode("latin-1"))
+            except ValueError:
+                self._answer(c, 400, b"bad request\n", close=True)
+                return
+            path, query = url.path, url.query
+        if path != "/metrics":
             self._answer(c, 404, b"not found: the mfuwatch exporter serves /metrics only\n", close=not keep)
             return
         if method not in (b"GET", b"HEAD"):
             self._answer(c, 405, b"method not allowed\n", close=not keep, extra=b"Allow: GET, HEAD\r\n")
             return
-        names = parse_qs(url.query).get("name[]")
+        names = parse_qs(query).get("name[]") if query else None
         gz = b"gzip" in headers.get(b"accept-encoding", b"") and not names
         body = self.cache.get(gzipped=gz)
         if names:

@@ -110,7 +110,7 @@ def test_a_silent_connection_blocks_neither_scrapes_nor_close(served):
 def test_a_client_that_never_reads_does_not_hold_close(served):
     reg, start = served
     g = Gauge("big", "a large exposition", ["i"], registry=reg)
-    for i in range(20000):
+    for i in range(5000):
         g.labels(str(i)).set(i)
     srv, _ = start()
     s = socket.create_connection(srv.server_address)
@@ -119,8 +119,10 @@ def test_a_client_that_never_reads_does_not_hold_close(served):
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # pipelined, never read
     time.sleep(0.3)
     t0 = time.monotonic()
-    srv.close(1.0)
-    assert time.monotonic() - t0 < 1.0 and not srv._thread.is_alive()
+    srv.close(0.5)  # returns within its bound even if the loop is inside a render of this large exposition
+    assert time.monotonic() - t0 < 1.0
+    srv._thread.join(5.0)
+    assert not srv._thread.is_alive() and srv.open_connections == 0
     s.close()
 
 
