@@ -61,7 +61,7 @@ class Columns:
         self.fields, self.last, self.weight = tuple(fields), tuple(last), weight
         self.weights = array("d")
         self.values: Dict[str, array] = {k: array("d") for k in self.fields + self.last}
-        self._items = tuple(self.values.items())
+        self._appends = tuple((k, col.append) for k, col in self.values.items())
 
     def add(self, rec: Dict[str, Any]) -> None:
         get = rec.get
@@ -70,9 +70,9 @@ class Columns:
             self.weights.append(w if type(w) is float else _num(w, 1.0))
         else:
             self.weights.append(1.0)
-        for k, col in self._items:
+        for k, append in self._appends:
             v = get(k)
-            col.append(v if type(v) is float else _num(v, _NAN))  # the hot path: a float as written
+            append(v if type(v) is float else _num(v, _NAN))  # the hot path: a float as written
 
     def __len__(self) -> int:
         return len(self.weights)
@@ -217,9 +217,13 @@ def load_timeline(path: Union[str, Path]) -> TimelineData:
             except (ValueError, StopIteration) as exc:  # UnicodeDecodeError included; StopIteration: no value
                 pending_error = f"{path}:{lineno}: not a JSON line: {exc or 'no JSON value'}"
                 continue
-            if not isinstance(rec, dict):
+            if type(rec) is not dict:
                 continue
-            data = _absorb(data, rec)
+            if rec.get("kind") == "step":  # most records: inline
+                data.counts["step"] += 1
+                data.step_columns.add(rec)
+            else:
+                data = _absorb(data, rec)
     return _finish(data)
 
 
