@@ -279,11 +279,15 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]], ignored: Optional[List[i
     Returns ``{"steps": S - C, "seconds": time those steps took, "last_step": S,
     "checkpoint_step": C}`` for the last attempt in the file (zeros when it has
     no step after its last checkpoint). Without any checkpoint in that attempt,
-    every step it ran is lost (a restart from scratch).
+    every step it ran is lost (a restart from scratch). When ``records`` begin inside the
+    attempt (a bounded tail without its ``attempt`` record), C is at least the step before
+    their first step record: only the steps in view are counted, a lower bound.
     """
     bad = [0]
     last_step = 0
     ckpt = 0
+    seen_attempt = False
+    base: Optional[int] = None  # without the attempt record in view: the step before the first record seen
     steps: List[tuple] = []  # (last step of the record, steps, step_time_seconds)
     ref_ts: Optional[float] = None  # timestamp of the attempt record or the last accepted step record
 
@@ -296,7 +300,7 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]], ignored: Optional[List[i
     for rec in records:
         kind = rec.get("kind")
         if kind == "attempt":
-            last_step, ckpt, steps = 0, 0, []
+            last_step, ckpt, steps, seen_attempt, base = 0, 0, [], True, None
             ref_ts = _finite(rec.get("timestamp"))
         elif kind == "step":
             s, n = _whole(rec.get("step")), _whole(rec.get("steps", 1) if rec.get("steps") is not None else 1)
@@ -306,6 +310,8 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]], ignored: Optional[List[i
                     s <= last_step or too_fast(s, ts, n):
                 bad[0] += 1
                 continue
+            if not seen_attempt and base is None:
+                base = s - n
             last_step = max(last_step, s)
             if ts is not None:
                 ref_ts = ts
@@ -318,11 +324,14 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]], ignored: Optional[List[i
             ckpt = max(ckpt, c)
     if ignored is not None:
         ignored[0] += bad[0]
-    lost = max(0, last_step - ckpt)
+    # a tail that starts inside the attempt shows only its own steps: those after the tail's first record
+    # (a lower bound of what was lost; a whole attempt without a checkpoint in view is not assumed lost)
+    floor = ckpt if base is None else max(ckpt, base)
+    lost = max(0, last_step - floor)
     seconds = 0.0
     for s, n, st in steps:
         first = s - n + 1
-        after = s - max(first - 1, ckpt)  # steps of this record after the checkpoint
+        after = s - max(first - 1, floor)  # steps of this record after the checkpoint
         if after > 0:
             seconds += min(after, n) * st
     return {"steps": float(lost), "seconds": seconds, "last_step": float(last_step), "checkpoint_step": float(ckpt)}

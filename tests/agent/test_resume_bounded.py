@@ -142,3 +142,15 @@ def test_ignored_records_are_counted_in_agent_errors(tmp_path):
     a.close()
     assert a.errors.get("resume") == 1
     assert [r for r in read_timeline(tl) if r["kind"] == "attempt"][-1]["lost_steps"] == 10
+
+
+def test_a_tail_inside_a_long_attempt_counts_only_the_steps_in_view(tmp_path):
+    p = tmp_path / "tl.jsonl"
+    recs = _attempt([(10 * i, 10) for i in range(1, 5001)])  # 50,000 steps, no checkpoint
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    whole = read_resume(p)
+    assert whole["steps"] == 50000  # the attempt record in view: a restart from scratch loses them all
+    tail = read_resume(p, max_bytes=2000)
+    # not 50,000 from a cut tail: the steps of the records in view, each 0.5 s
+    assert tail["last_step"] == 50000 and 0 < tail["steps"] < 300 and tail["checkpoint_step"] == 0
+    assert tail["seconds"] == tail["steps"] * 0.5
