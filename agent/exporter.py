@@ -194,11 +194,9 @@ class GuardedRegistry:
             try:
                 metrics = list(c.collect())
             except Exception as exc:  # noqa: BLE001 - one broken collector must not fail the scrape
-                if self.on_error is not None:
-                    try:
-                        self.on_error("collector", exc)
-                    except Exception:  # noqa: BLE001
-                        pass
+                from .live.http_server import report_error
+
+                report_error(self.on_error, "collector", exc)
                 continue
             yield from metrics
 

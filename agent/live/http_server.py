@@ -51,6 +51,16 @@ MAX_REQUEST_BYTES = 16 * 1024
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
+def report_error(on_error: Optional[Callable[[str, BaseException], None]], component: str,
+                 exc: BaseException) -> None:
+    """Tell ``on_error`` (the agent's error counter, or ``None``) of ``exc``; a failing callback is ignored."""
+    if on_error is not None:
+        try:
+            on_error(component, exc)
+        except Exception:  # noqa: BLE001 - reporting must not raise into the server loop or a render
+            pass
+
+
 @dataclass(frozen=True)
 class Auth:
     """What a scrape must send in ``Authorization``: ``Bearer <token>`` or ``Basic base64(user:password)``.
@@ -119,11 +129,7 @@ class ExpositionCache:
         try:
             body = self._render()
         except Exception as exc:  # noqa: BLE001 - a failing render keeps serving the previous bytes
-            if self.on_error is not None:
-                try:
-                    self.on_error("exporter", exc)
-                except Exception:  # noqa: BLE001
-                    pass
+            report_error(self.on_error, "exporter", exc)
             self._at = self._clock()
             return self._body
         self._body, self._gz, self._at = body, None, self._clock()
@@ -356,11 +362,7 @@ class MetricsServer:
                     self.throttled_seconds += pause
                     self._stop.wait(pause)
             except Exception as exc:  # noqa: BLE001 - the loop must survive anything a client does
-                if self.on_error is not None:
-                    try:
-                        self.on_error("exporter", exc)
-                    except Exception:  # noqa: BLE001
-                        pass
+                report_error(self.on_error, "exporter", exc)
                 self._stop.wait(0.01)
         self._close_all()
 
