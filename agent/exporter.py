@@ -323,11 +323,15 @@ class Exporter:
             return self.url
         raise OSError(errno.EADDRINUSE, f"no free port in {port}..{port + tries - 1} for the mfuwatch exporter") from last
 
-    def refresh(self) -> None:
-        """Render the exposition now (the agent thread, after a report); no-op without a server."""
+    def refresh(self, force: bool = False) -> None:
+        """Render the exposition now if scrapes read the last render (the agent thread, after a report), or
+        always with ``force``; no-op without a server. At most two renders per render interval this way."""
         cache = getattr(self, "cache", None)
         if cache is not None and self._server is not None:
-            cache.refresh()
+            if force:
+                cache.refresh()
+            else:
+                cache.refresh_if_read()
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the server's sockets without stopping the parent's server."""

@@ -102,8 +102,8 @@ class ExpositionCache:
         min_interval_s: a :meth:`get` within this many seconds of the last render returns the cached bytes.
         clock: ``time.monotonic``-like (tests).
 
-    :meth:`refresh` renders now (the agent thread calls it after a report, so scrapes see the new
-    measurement at once). Thread-safe; a ``render`` that raises leaves the previous bytes in place
+    :meth:`refresh` renders now; :meth:`refresh_if_read` only while someone scrapes (the agent thread
+    calls it after a report, so scrapes see the new measurement without rendering it themselves). Thread-safe; a ``render`` that raises leaves the previous bytes in place
     and is reported to ``on_error`` (``b""`` before the first success).
     """
 
@@ -118,12 +118,23 @@ class ExpositionCache:
         self._body = b""
         self._gz: Optional[bytes] = None
         self._at: Optional[float] = None
+        self._read = False  # a scrape read the bytes since the last render
         self.renders = 0
 
     def refresh(self) -> bytes:
         """Render now and return the bytes."""
         with self._lock:
             return self._refresh_locked()
+
+    def refresh_if_read(self) -> bool:
+        """Render now if a scrape read the bytes since the last render and they are at least half of
+        ``min_interval_s`` old (the agent thread after a report: a new measurement reaches the next scrape
+        without the scrape rendering it, and a job nobody scrapes renders nothing). Returns whether it rendered."""
+        with self._lock:
+            if not self._read or (self._at is not None and self._clock() - self._at < self.min_interval_s / 2):
+                return False
+            self._refresh_locked()
+            return True
 
     def _refresh_locked(self) -> bytes:
         try:
@@ -133,6 +144,7 @@ class ExpositionCache:
             self._at = self._clock()
             return self._body
         self._body, self._gz, self._at = body, None, self._clock()
+        self._read = False
         self.renders += 1
         return body
 
@@ -141,6 +153,7 @@ class ExpositionCache:
         with self._lock:
             if self._at is None or self._clock() - self._at >= self.min_interval_s:
                 self._refresh_locked()
+            self._read = True
             if not gzipped:
                 return self._body
             if self._gz is None:

@@ -153,7 +153,7 @@ def attach(agent) -> Callable[[], None]:
     def record(name: str) -> None:
         counter.labels(*base, name).inc()
         agent._write({"kind": "signal", "signal": name, "timestamp": time.time(), "step": agent._step})
-        agent.exporter.refresh()
+        agent.exporter.refresh(force=True)  # the count reaches a scrape during the close
 
     def close(reason: str) -> None:
         agent.close(reason=reason, budget_s=timeout * 0.9)

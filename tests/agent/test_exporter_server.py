@@ -247,3 +247,19 @@ def test_agent_exporter_auth_from_a_file(tmp_path, monkeypatch):
         Agent(config=dict(base, exporter_auth={"type": "basic", "username": "u", "password_env": "MFUWATCH_TEST_PW"}))
     with pytest.raises(ConfigError, match="did you mean 'token_file'"):
         Agent(config=dict(base, exporter_auth={"type": "bearer", "token_fil": "x"}))
+
+
+def test_the_agent_thread_renders_only_while_someone_scrapes():
+    now = [0.0]
+    calls = []
+    cache = ExpositionCache(lambda: calls.append(1) or b"x 1\n", min_interval_s=1.0, clock=lambda: now[0])
+    assert cache.refresh_if_read() is False and calls == []  # nobody scrapes: a report renders nothing
+    assert cache.get() == b"x 1\n" and len(calls) == 1  # the first scrape renders
+    now[0] = 0.2
+    assert cache.refresh_if_read() is False  # read, but rendered 0.2 s ago (< half the interval)
+    now[0] = 0.6
+    assert cache.refresh_if_read() is True and len(calls) == 2
+    assert cache.refresh_if_read() is False  # not read since
+    now[0] = 1.0
+    cache.get()
+    assert len(calls) == 2  # 0.4 s old: served from the cache
