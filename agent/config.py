@@ -102,6 +102,15 @@ class AgentConfig:
     goodput_warmup_steps: int = 2  # the first steps compile, allocate and warm caches: warm-up, not productive
     auto_checkpoint_phases: bool = True  # time torch.save/load and torch.distributed.checkpoint as checkpoint phases
     otlp_endpoint: Optional[str] = None  # also export over OTLP/HTTP (extra `otlp`), e.g. http://collector:4318/v1/metrics
+    # --- exporter hardening and preemption (validated by agent/live/settings.py) ---
+    exporter_auth: Optional[Dict[str, Any]] = None  # bearer token or basic auth; names where the secret is (env/file)
+    exporter_max_connections: int = 256  # open scrape connections at most: the oldest idle one goes past it
+    exporter_read_timeout_seconds: float = 10.0  # Prometheus' default scrape timeout: a request takes at most this
+    tls_handshake_timeout_seconds: float = 5.0  # a TLS client that stays silent is dropped after this
+    exporter_render_interval_seconds: float = 0.5  # exposition rendered at most 2x a second (and per report)
+    exporter_max_cpu_share: float = 0.03  # the server thread's CPU time at most 3% of wall time, however many clients
+    preemption_signals: Any = field(default_factory=lambda: ["SIGTERM"])  # close, then the previous handler
+    preemption_timeout_seconds: float = 2.0  # the close on a signal takes at most this; Slurm/K8s grace is >= 30 s
 
     @property
     def exporter_port(self) -> int:
@@ -287,6 +296,9 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
     from .fleet.config import validate_fleet  # fleet settings (job label, watchdog, goodput, OTLP)
 
     validate_fleet(cfg, ConfigError)
+    from .live.settings import validate_live  # exporter auth/limits, preemption signals
+
+    validate_live(cfg, ConfigError)
     try:
         cfg.exporter_port  # noqa: B018 - base port + local rank must be a port
     except ValueError as exc:

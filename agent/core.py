@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import weakref
 from typing import Any, Callable, List, Mapping, Optional, Tuple, Union
 
@@ -133,6 +134,13 @@ class Agent:
         start-up (a test's stand-in) is the one closed."""
         self._parts.append((component, close))
 
+    def _left(self, default: float, share: float = 1.0) -> float:
+        """A close wait's bound: ``default`` seconds, or its ``share`` of what is left of ``close``'s budget."""
+        deadline = getattr(self, "_close_deadline", None)
+        if deadline is None:
+            return default
+        return max(0.0, min(default, (deadline - time.monotonic()) * share))
+
     def _close_parts(self) -> None:
         while self._parts:
             component, close = self._parts.pop()
@@ -145,11 +153,17 @@ class Agent:
             _check_writable_dir(cfg.file_sd_dir)
         self.errors.listeners.append(self.exporter.count_error)
         self.exporter.on_error = self.errors.count  # a collector failing at scrape time is counted, once logged
-        self._part("close", lambda: self.exporter.close())
+        self._part("close", lambda: self.exporter.close(timeout=self._left(1.0, 0.5)))
         if cfg.exporter:
             try:
-                self.exporter_url = self.exporter.serve(cfg.exporter_port, cfg.bind, cfg.tls_certfile,
-                                                        cfg.tls_keyfile)
+                from .live.settings import auth_from_config  # harden (#28): bounded server, optional auth
+
+                self.exporter_url = self.exporter.serve(
+                    cfg.exporter_port, cfg.bind, cfg.tls_certfile, cfg.tls_keyfile,
+                    auth=auth_from_config(cfg.exporter_auth, ConfigError),
+                    max_connections=cfg.exporter_max_connections, read_timeout_s=cfg.exporter_read_timeout_seconds,
+                    handshake_timeout_s=cfg.tls_handshake_timeout_seconds, max_cpu_share=cfg.exporter_max_cpu_share,
+                    render_interval_s=cfg.exporter_render_interval_seconds)
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
@@ -187,10 +201,10 @@ class Agent:
         # the run record goes first once the dtype and peak settle (the first forward); the timeline holds
         # what comes before it, such as the attempt record (agent/live/timeline.py)
         self.timeline.start_header(self.reporter.run_record)
-        if self.fleet is not None:  # fleet: opens this attempt (and what the previous one lost)
-            self.reporter.write(self.fleet.attempt_record())
+        # fleet: the attempt record (and what the previous attempt lost) is written by the reporter once the
+        # resume read, off this thread, has finished (FleetAccounting.ensure_attempt_written, issue 28)
         self.reporter.start()
-        self._part("agent", lambda: self.reporter.close())  # stops after one final pass over the last boundaries
+        self._part("agent", lambda: self.reporter.close(self._left(5.0, 0.4)))  # stops after one final pass over the last boundaries
         self.hooks.install(model, optimizer)
         self._part("close", self._close_hooks)
         self._started = True
@@ -201,6 +215,14 @@ class Agent:
                         "them twice. Close the first agent (agent.close() or its with-block) before starting "
                         "another.", others[0].config.run, others[0].config.rank)
         _live_agents.add(self)
+        # a forked child gets an inert agent; preemption signals close the agent, then pass on (issue 28)
+        from .live import forksafe, preemption
+
+        self._part("close", forksafe.protect_agent(self, _live_agents))
+        try:
+            self._part("close", preemption.attach(self))
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("preemption", exc)
         if self.exporter_url:
             log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)
 
@@ -244,7 +266,7 @@ class Agent:
     def _close_alerts(self) -> None:
         if self._started:
             self.alerts.evaluate()  # once more: the last report and window arrived during close
-        self.alerts.close()
+        self.alerts.close(timeout=self._left(2.0, 0.75), reason=getattr(self, "_close_reason", "run ended"))
 
     def _start_fleet(self) -> None:
         """Fleet accounting, wired to the alert engine here: its phases pause the engine's stall clock, its
@@ -261,6 +283,7 @@ class Agent:
                 on_phase=on_phase, on_hang=getattr(self.alerts, "observe_hang", lambda report: None))
             self._part("fleet", lambda: self.fleet.close())  # watchdog thread, checkpoint hooks, the goodput tail
             self.reporter.wiring.on_interval = self.fleet.on_interval
+            self.reporter.wiring.on_tick = self.fleet.ensure_attempt_written
             fleet = self.fleet
             self.reporter.wiring.phase_state = lambda: (fleet.phase_in_progress, fleet.last_phase_end_wall)
             if self.alerts is not None and hasattr(self.alerts, "stall_probe"):
@@ -298,7 +321,7 @@ class Agent:
                 shared_key=self._calibration_share(),
                 on_outcome=self.exporter.count_window,  # ok, error, skipped_other_profiler, too_large
             )
-            self._part("close", lambda: self.profiler.close(wait_seconds=self._close_timeout))
+            self._part("close", lambda: self.profiler.close(wait_seconds=self._left(self._close_timeout, 0.2)))
         except Exception as exc:  # noqa: BLE001
             self.errors.count("profiler", exc)
             self.profiler = None
@@ -443,7 +466,7 @@ class Agent:
         return text
 
     # ------------------------------------------------------------------ closing
-    def close(self, timeout: float = 1.0) -> None:
+    def close(self, timeout: float = 1.0, *, reason: str = "run ended", budget_s: Optional[float] = None) -> None:
         """Remove the hooks, flush the last measurement, stop threads and the server: the parts in reverse
         start order. Idempotent.
 
@@ -451,11 +474,17 @@ class Agent:
             timeout: seconds a profiler-window analysis still running may take to deliver its window
                 (its result is dropped after that). The default keeps ``close()`` short at the end of a
                 job; the demo passes a longer one so a short run still shows its last window.
+            reason: the ``resolved_reason`` of the alerts still firing (``"run preempted (SIGTERM)"`` from
+                :mod:`mfuwatch.agent.live.preemption`).
+            budget_s: when given, the whole close is paced to end within about this many seconds (the
+                preemption handler's bound): each wait gets its share of what is left.
         """
         if self._closed:
             return
         self._closed = True
         self._close_timeout = timeout
+        self._close_reason = reason
+        self._close_deadline = None if budget_s is None else time.monotonic() + budget_s
         self._close_parts()
         _live_agents.discard(self)
 

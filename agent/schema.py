@@ -86,6 +86,7 @@ class M:
     # the agent itself and the notifiers
     AGENT_ERRORS_TOTAL = PREFIX + "agent_errors_total"  # {component}
     IMPLAUSIBLE_RATIO_TOTAL = PREFIX + "implausible_ratio_total"  # {ratio}: MFU/HFU above 1, not exported
+    SIGNALS_TOTAL = PREFIX + "signals_total"  # {signal}: preemption signals the agent closed on (agent/live)
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
     # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet/accounting.py) ---
@@ -114,6 +115,7 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.GPU_ECC_ERRORS_TOTAL: ("type",),
     M.AGENT_ERRORS_TOTAL: ("component",),
     M.IMPLAUSIBLE_RATIO_TOTAL: ("ratio",),  # "mfu" | "hfu" (agent/plausibility.py)
+    M.SIGNALS_TOTAL: ("signal",),
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
     M.ALERTS_FIRING: ("alertname", "severity"),
     M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/fleet/goodput.py

@@ -191,11 +191,12 @@ class AlertEngine:
                 self._threads.append(t)
         return self
 
-    def close(self, timeout: float = 2.0) -> List[str]:
+    def close(self, timeout: float = 2.0, reason: str = "run ended") -> List[str]:
         """End the run's alerts, deliver what is queued for at most ``timeout`` seconds, stop. Never hangs.
 
         Every alert still firing is resolved with the annotation
-        ``resolved_reason: "run ended"`` (a timeline record and, where its firing was
+        ``resolved_reason: <reason>`` (``"run ended"``; ``"run preempted (SIGTERM)"`` when the agent
+        closes on a signal: a timeline record and, where its firing was
         notified, a resolved notification), so incidents of a finished job close.
         Returns one line per notification that could not be delivered in time
         (also counted ``dropped`` and logged once per notifier); empty when all
@@ -210,7 +211,7 @@ class AlertEngine:
         for t in self._threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
         try:
-            self._end_run()
+            self._end_run(reason)
         except Exception as exc:  # noqa: BLE001 - closing must never raise into the training job
             self._error("close", exc)
         for w in self.workers:
@@ -223,8 +224,8 @@ class AlertEngine:
                         "; ".join(lost[:5]) + (" ..." if len(lost) > 5 else ""))
         return lost
 
-    def _end_run(self) -> None:
-        """Resolve every firing alert with ``resolved_reason: run ended`` and dispatch the resolved messages."""
+    def _end_run(self, reason: str = "run ended") -> None:
+        """Resolve every firing alert with ``resolved_reason: <reason>`` and dispatch the resolved messages."""
         now = self._mono()
         wall = self._wall(now)
         events: List[dict] = []
@@ -235,9 +236,9 @@ class AlertEngine:
                 elif st.state == "firing":
                     st.state, st.resolved_at = "inactive", wall
                     st.resolved_pending = st.notified
-                    st.annotations = {**st.annotations, "resolved_reason": "run ended"}
+                    st.annotations = {**st.annotations, "resolved_reason": reason}
                     record = self._transition(st, "resolved", wall)
-                    record["reason"] = "run ended"
+                    record["reason"] = reason
                     events.append(record)
             if self.notifying and self.workers:
                 self._dispatch(now, wall)

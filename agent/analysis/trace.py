@@ -47,6 +47,13 @@ _EPS_US = 1e-3  # trace timestamps are microseconds with nanosecond digits
 #: TensorList of shapes); ijson keeps one prefix string per open level, so memory grows with the square
 #: of the depth: deeper files are refused before parsing.
 MAX_JSON_DEPTH = 64
+#: Longest run of bytes between two JSON tokens accepted (one string, whitespace, one number). Kineto's
+#: longest strings are templated kernel names of a few KB; ijson's cost grows with the square of a string's
+#: length (a 256 MiB string ran past 300 s), and a gzip bomb of whitespace decompresses forever: both are
+#: refused at the first MiB past this, in the pre-scan.
+MAX_TOKEN_BYTES = 1 << 20
+#: Largest single trace event (one element of ``traceEvents``) accepted: ijson builds each event as one dict.
+MAX_EVENT_BYTES = 16 << 20
 _SCAN_CHUNK = 1 << 21  # bytes per chunk of the depth scan (its numpy temporaries are ~20x this)
 
 
@@ -54,17 +61,26 @@ class TraceError(Exception):
     """A file that is not a readable profiler trace (not JSON, truncated, no events, no GPU activity)."""
 
 
-def check_json_depth(f, limit: int = MAX_JSON_DEPTH) -> int:
-    """Scan a binary JSON stream and return its maximum nesting depth; ``ValueError`` past ``limit``.
+def check_json_depth(f, limit: int = MAX_JSON_DEPTH, max_token_bytes: Optional[int] = None,
+                     max_event_bytes: Optional[int] = None, event_level: int = 2) -> int:
+    """Scan a binary JSON stream and return its maximum nesting depth; ``ValueError`` past a limit.
+
+    Limits: nesting deeper than ``limit``; with ``max_token_bytes``, a run of more bytes than that
+    between two JSON tokens (one string, or whitespace, or a number: what a parser must hold, or
+    spin on, at once); with ``max_event_bytes``, more bytes than that between two structural
+    characters at nesting level ``event_level`` or above it (one element of the event list: 2 for
+    ``{"traceEvents": [...]}``, 1 for a bare list). The error comes as soon as the limit is passed,
+    not at the end of the stream.
 
     Brackets inside strings do not count; a quote preceded by an odd run of backslashes is
     escaped. Vectorised with numpy over chunks of :data:`_SCAN_CHUNK` bytes (the state —
-    depth, inside a string, trailing backslashes — carries across chunks), so the scan costs
-    one sequential read and bounded memory.
+    depth, inside a string, trailing backslashes, the last token and event boundaries — carries
+    across chunks), so the scan costs one sequential read and bounded memory.
     """
     import numpy as np
 
     depth, in_str, bs_run, deepest = 0, False, 0, 0
+    offset, last_tok, last_ev = 0, 0, 0  # stream offsets of the last token / event boundary seen
     while True:
         chunk = f.read(_SCAN_CHUNK)
         if not chunk:
@@ -90,9 +106,39 @@ def check_json_depth(f, limit: int = MAX_JSON_DEPTH) -> int:
             deepest = max(deepest, int(level.max()))
             if deepest > limit:
                 raise ValueError(f"JSON nested deeper than {limit} levels (a profiler trace nests about 6)")
+            if max_token_bytes is not None or max_event_bytes is not None:
+                structural = (opening | closing | (((a == 44) | (a == 58)) & ~inside))
+                if max_token_bytes is not None:
+                    pos = np.flatnonzero(structural | quote)
+                    gaps = np.diff(np.concatenate(([last_tok - offset], pos, [n])))
+                    worst = int(gaps.argmax())
+                    if int(gaps[worst]) > max_token_bytes:
+                        start = last_tok if worst == 0 else offset + int(pos[worst - 1])
+                        if worst == 0:
+                            in_string = in_str  # the run began in an earlier chunk
+                        else:
+                            p0 = int(pos[worst - 1])
+                            in_string = bool(quote[p0] and not inside[p0])  # it follows an opening quote
+                        what = ("one JSON string longer than" if in_string else
+                                "whitespace (or one number) between two JSON tokens longer than")
+                        raise ValueError(f"{what} {max_token_bytes >> 20} MiB (from byte {start} of the JSON); "
+                                         "a profiler trace's longest string is a few KB")
+                    if pos.size:
+                        last_tok = offset + int(pos[-1])
+                if max_event_bytes is not None:
+                    pos = np.flatnonzero(structural & (level <= event_level) & ~(opening & (level > event_level)))
+                    gaps = np.diff(np.concatenate(([last_ev - offset], pos, [n])))
+                    if gaps.size and int(gaps.max()) > max_event_bytes:
+                        worst = int(gaps.argmax())
+                        start = last_ev if worst == 0 else offset + int(pos[worst - 1])
+                        raise ValueError(f"one trace event (or top-level value) larger than {max_event_bytes >> 20} "
+                                         f"MiB (from byte {start}); a profiler event is well under 1 MB")
+                    if pos.size:
+                        last_ev = offset + int(pos[-1])
             depth = int(level[-1])
             in_str = bool(in_str ^ (int(q[-1]) % 2 == 1))
             bs_run = int(run_to[-1])
+        offset += n
 
 
 def _open_binary(path: str):
@@ -172,7 +218,8 @@ def read_trace(path: str) -> TraceFile:
     if first in (b"[", b"{"):
         try:
             with _open_binary(path) as f:
-                check_json_depth(f)
+                check_json_depth(f, max_token_bytes=MAX_TOKEN_BYTES, max_event_bytes=MAX_EVENT_BYTES,
+                                 event_level=2 if first == b"{" else 1)
         except ValueError as exc:
             raise TraceError(f"{path}: not a profiler trace: {exc}") from None
         except (OSError, EOFError, zlib.error, gzip.BadGzipFile) as exc:

@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import checkpoint_hooks
-from .goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo, tail_records
+from .goodput import BUCKETS, GoodputClock, ResumeReader, phase_bucket
 from ..schema import M
 from .straggler import StragglerScore
 from .watchdog import HangReport, HangWatchdog, last_nccl_collective, thread_stack
@@ -185,17 +185,15 @@ class FleetAccounting:
         #: is open (bool) and the unix time (seconds) the last phase ended (0.0 before the first)
         self.phase_in_progress = False
         self.last_phase_end_wall = 0.0
-        self.resume = {"steps": 0.0, "seconds": 0.0, "last_step": 0.0, "checkpoint_step": 0.0}
-        if cfg.timeline:
-            try:
-                from pathlib import Path
-
-                if Path(cfg.timeline).is_file():
-                    self.resume = steps_to_redo(tail_records(cfg.timeline))
-            except Exception as exc:  # noqa: BLE001 - a torn or foreign timeline: no lost-progress figure
-                self.errors.count("goodput", exc)
-        self.goodput = GoodputClock(warmup_steps=cfg.goodput_warmup_steps, redo_steps=int(self.resume["steps"]),
-                                    now=now)
+        self.resume = dict(ResumeReader.ZERO)
+        self.goodput = GoodputClock(warmup_steps=cfg.goodput_warmup_steps, redo_steps=0, now=now)
+        # harden (#28): the previous attempt's tail is read on its own thread, bounded and validated
+        self._attempt_ts = time.time()
+        self._attempt_written = False
+        self._resume_reader: Optional[ResumeReader] = (ResumeReader(cfg.timeline, on_done=self._resume_ready)
+                                                       if cfg.timeline else None)
+        if self._resume_reader is not None:
+            self._resume_reader.start()
         self.straggler = StragglerScore()
         lab = ["run", "rank"]
         reg = registry
@@ -226,16 +224,55 @@ class FleetAccounting:
         self._graphs = self._compiled_graphs()
 
     def attempt_record(self) -> dict:
-        """The ``attempt`` timeline record that opens this process's part of the timeline.
+        """The ``attempt`` timeline record that opens this process's part of the timeline, stamped at the
+        agent's start.
 
         ``lost_*``: progress the previous attempt lost (its steps after its last checkpoint, which this
-        attempt re-does and counts as ``lost_progress``).
+        attempt re-does and counts as ``lost_progress``); ``lost_ignored``: records of its tail ignored as
+        implausible (:func:`~.goodput.steps_to_redo`).
         """
         import os
         import socket
 
-        return {"kind": "attempt", "pid": os.getpid(), "host": socket.gethostname(), "timestamp": time.time(),
-                **{f"lost_{k}": v for k, v in self.resume.items()}}
+        reader = self._resume_reader
+        rec = {"kind": "attempt", "pid": os.getpid(), "host": socket.gethostname(), "timestamp": self._attempt_ts,
+               **{f"lost_{k}": v for k, v in self.resume.items()}}
+        if reader is not None:
+            rec["lost_ignored"] = reader.ignored
+            if not reader.done:
+                rec["lost_pending"] = True  # the read outlasted its wait: the figures above are not known
+        return rec
+
+    def _resume_ready(self, out: dict) -> None:
+        """The resume read finished (reader thread): the steps to redo start counting as ``lost_progress``."""
+        reader = self._resume_reader
+        if reader is not None and reader.error is not None:
+            self.errors.count("goodput", reader.error)
+        self.resume = out
+        self.goodput.redo_steps = int(out["steps"])
+        if reader is not None and reader.ignored:
+            # counted once per record in mfuwatch_agent_errors_total{component="resume"}; the first is logged
+            exc = ValueError(f"{reader.ignored} record(s) of the timeline's tail ignored for the lost-progress "
+                             "figure (implausible step numbers, non-finite values, oversized or garbled lines)")
+            for _ in range(reader.ignored):
+                self.errors.count("resume", exc)
+
+    def ensure_attempt_written(self, timeout: float = 5.0) -> None:
+        """Write the ``attempt`` record once (agent thread, before the run record releases the held ones), after
+        the resume read — waited for at most ``timeout`` seconds, once."""
+        if self._attempt_written:
+            return
+        self._attempt_written = True
+        if self._resume_reader is not None:
+            self._resume_reader.result(timeout)
+        self._write(self.attempt_record())
+
+    def _wait_resume(self, step: int) -> None:
+        """Training thread, only in a race: a step past warm-up before the read finished waits for it (1 s
+        at most), so the steps to redo are counted as lost progress from the first one."""
+        reader = self._resume_reader
+        if reader is not None and not reader.done and step > self.goodput.warmup_steps:
+            reader.result(1.0)
 
     # ---------------------------------------------------------------- training thread
     def forward_start(self) -> None:
@@ -259,6 +296,7 @@ class FleetAccounting:
             graphs = self._compiled_graphs()
             compiled = graphs > self._graphs
             self._graphs = graphs
+            self._wait_resume(step)
             self.goodput.boundary(step, compiled)
             if self.watchdog is not None:
                 self.watchdog.boundary(step)

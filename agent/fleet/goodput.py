@@ -173,13 +173,22 @@ class GoodputClock:
         return seconds.get("productive", 0.0) / total if total > 0 else None
 
 
-#: Bytes of a timeline's end read at start-up for the lost-progress figure (about 200k records):
-#: a long run's timeline can be gigabytes, and only its last attempt matters.
-TAIL_BYTES = 64 * 2**20
+#: Bytes of a timeline's end read at start-up for the lost-progress figure (about 50k records, half a
+#: million steps at the default report cadence): a long run's timeline can be gigabytes, and only its
+#: last attempt matters. Read off the training thread (:class:`ResumeReader`).
+TAIL_BYTES = 16 * 2**20
+#: A longer line in that tail is not one of the agent's records (theirs are a few KB): skipped, counted.
+MAX_RECORD_BYTES = 2**20
+#: Largest step number believed (a step a microsecond for eleven days); and the fastest step rate
+#: believed between two records with timestamps (steps per second).
+MAX_PLAUSIBLE_STEP = 10**12
+MAX_STEPS_PER_SECOND = 1e5
 
 
-def tail_records(path: Any, max_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
-    """The JSON records of the last ``max_bytes`` of a timeline (a cut first line and a torn last line skipped).
+def iter_tail_records(path: Any, max_bytes: int = TAIL_BYTES, skipped: Optional[List[int]] = None):
+    """Yield the JSON records (dicts) of the last ``max_bytes`` of a timeline; a cut first line, a torn last
+    line, garbage and lines longer than :data:`MAX_RECORD_BYTES` are skipped (each counted in
+    ``skipped[0]`` when a one-element list is given).
 
     Raises:
         OSError: the file cannot be read.
@@ -191,24 +200,65 @@ def tail_records(path: Any, max_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]
         size = fh.seek(0, os.SEEK_END)
         start = max(0, size - max_bytes)
         fh.seek(start)
-        data = fh.read()
-    lines = data.split(b"\n")
+        data = fh.read(max_bytes)
+    pos = 0
     if start > 0:
-        lines = lines[1:]  # the first line is cut
-    out = []
-    for line in lines:
+        cut = data.find(b"\n")
+        pos = len(data) if cut < 0 else cut + 1  # the first line is cut
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        if end < 0:
+            end = len(data)
+        line = data[pos:end]
+        pos = end + 1
         if not line.strip():
+            continue
+        if len(line) > MAX_RECORD_BYTES:
+            if skipped is not None:
+                skipped[0] += 1
             continue
         try:
             rec = json.loads(line)
         except ValueError:
-            continue  # a torn line (a killed job) or garbage: not a record
+            if skipped is not None and end < len(data):  # a torn last line is no sign of trouble
+                skipped[0] += 1
+            continue
         if isinstance(rec, dict):
-            out.append(rec)
-    return out
+            yield rec
 
 
-def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
+def tail_records(path: Any, max_bytes: int = TAIL_BYTES) -> List[Dict[str, Any]]:
+    """The records of :func:`iter_tail_records` as a list.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    return list(iter_tail_records(path, max_bytes))
+
+
+def _whole(x: Any) -> Optional[int]:
+    """``x`` as an int when it is a finite whole number (an int, or a float such as 10.0), else ``None``."""
+    import math
+
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float) and math.isfinite(x) and x == int(x):
+        return int(x)
+    return None
+
+
+def _finite(x: Any) -> Optional[float]:
+    import math
+
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def steps_to_redo(records: Iterable[Mapping[str, Any]], ignored: Optional[List[int]] = None) -> Dict[str, float]:
     """Progress the previous attempt of a run lost: steps it ran after its last checkpoint.
 
     ``records`` is the run's own timeline (:func:`mfuwatch.agent.live.timeline.read_timeline`):
@@ -218,35 +268,142 @@ def steps_to_redo(records: Iterable[Mapping[str, Any]]) -> Dict[str, float]:
     ``checkpoint``, written when a checkpoint save ends) carry the agent's
     ``step``; ``step`` records carry ``step``, ``steps`` and ``step_time_seconds``.
 
+    Implausible records are ignored, and counted in ``ignored[0]`` when a one-element list is
+    given: a ``step`` record whose ``step``/``steps`` are not whole numbers with
+    ``1 <= steps <= step <= MAX_PLAUSIBLE_STEP``, whose ``step_time_seconds`` is not finite and >= 0,
+    that does not come after the attempt's previous step record, or that claims more steps since
+    the previous record (or the attempt record) than :data:`MAX_STEPS_PER_SECOND` allow in the time
+    between their timestamps; a ``checkpoint`` record whose ``step`` is not a whole number in
+    ``0..MAX_PLAUSIBLE_STEP`` or is past the same rate bound.
+
     Returns ``{"steps": S - C, "seconds": time those steps took, "last_step": S,
     "checkpoint_step": C}`` for the last attempt in the file (zeros when it has
     no step after its last checkpoint). Without any checkpoint in that attempt,
-    every step it ran is lost (a restart from scratch).
+    every step it ran is lost (a restart from scratch). When ``records`` begin inside the
+    attempt (a bounded tail without its ``attempt`` record), C is at least the step before
+    their first step record: only the steps in view are counted, a lower bound.
     """
+    bad = [0]
     last_step = 0
     ckpt = 0
+    seen_attempt = False
+    base: Optional[int] = None  # without the attempt record in view: the step before the first record seen
     steps: List[tuple] = []  # (last step of the record, steps, step_time_seconds)
+    ref_ts: Optional[float] = None  # timestamp of the attempt record or the last accepted step record
+
+    def too_fast(step: int, ts: Optional[float], slack: int) -> bool:
+        """More steps since the reference than the rate bound allows in the time between their stamps."""
+        if ts is None or ref_ts is None:
+            return False
+        return step - last_step > MAX_STEPS_PER_SECOND * max(0.0, ts - ref_ts) + slack
+
     for rec in records:
         kind = rec.get("kind")
         if kind == "attempt":
-            last_step, ckpt, steps = 0, 0, []
+            last_step, ckpt, steps, seen_attempt, base = 0, 0, [], True, None
+            ref_ts = _finite(rec.get("timestamp"))
         elif kind == "step":
-            try:
-                s, n, st = int(rec["step"]), int(rec.get("steps") or 1), float(rec.get("step_time_seconds") or 0.0)
-            except (KeyError, TypeError, ValueError):
+            s, n = _whole(rec.get("step")), _whole(rec.get("steps", 1) if rec.get("steps") is not None else 1)
+            st = _finite(rec.get("step_time_seconds") if rec.get("step_time_seconds") is not None else 0.0)
+            ts = _finite(rec.get("timestamp"))
+            if s is None or n is None or st is None or not (1 <= n <= s <= MAX_PLAUSIBLE_STEP) or st < 0 or \
+                    s <= last_step or too_fast(s, ts, n):
+                bad[0] += 1
                 continue
+            if not seen_attempt and base is None:
+                base = s - n
             last_step = max(last_step, s)
+            if ts is not None:
+                ref_ts = ts
             steps.append((s, n, st))
         elif kind == "checkpoint" and rec.get("phase", "save") == "save":
-            try:
-                ckpt = max(ckpt, int(rec.get("step") or 0))
-            except (TypeError, ValueError):
+            c = _whole(rec.get("step") if rec.get("step") is not None else 0)
+            if c is None or not 0 <= c <= MAX_PLAUSIBLE_STEP or too_fast(c, _finite(rec.get("timestamp")), 1):
+                bad[0] += 1
                 continue
-    lost = max(0, last_step - ckpt)
+            ckpt = max(ckpt, c)
+    if ignored is not None:
+        ignored[0] += bad[0]
+    # a tail that starts inside the attempt shows only its own steps: those after the tail's first record
+    # (a lower bound of what was lost; a whole attempt without a checkpoint in view is not assumed lost)
+    floor = ckpt if base is None else max(ckpt, base)
+    lost = max(0, last_step - floor)
     seconds = 0.0
     for s, n, st in steps:
         first = s - n + 1
-        after = s - max(first - 1, ckpt)  # steps of this record after the checkpoint
+        after = s - max(first - 1, floor)  # steps of this record after the checkpoint
         if after > 0:
             seconds += min(after, n) * st
     return {"steps": float(lost), "seconds": seconds, "last_step": float(last_step), "checkpoint_step": float(ckpt)}
+
+
+def read_resume(path: Any, max_bytes: int = TAIL_BYTES) -> Dict[str, float]:
+    """:func:`steps_to_redo` of the last ``max_bytes`` of the timeline at ``path``, streaming, plus
+    ``"ignored"``: the records skipped as implausible, oversized or garbled.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    skipped = [0]
+    out = steps_to_redo(iter_tail_records(path, max_bytes, skipped), skipped)
+    out["ignored"] = float(skipped[0])
+    return out
+
+
+class ResumeReader:
+    """Reads :func:`read_resume` on its own daemon thread, so a start-up never waits for the disk.
+
+    Args:
+        path: the timeline (a missing file: no previous attempt, zeros at once).
+        on_done: called on the reader thread with the result (it never raises into the reader).
+
+    Call :meth:`start` to begin (after the owner holds the reader, which ``on_done`` may use).
+
+    :meth:`result` waits for the read (at most ``timeout`` seconds) and returns it, or ``None`` if
+    it is still running; a read that failed returns zeros and ``error`` holds the exception.
+    """
+
+    ZERO = {"steps": 0.0, "seconds": 0.0, "last_step": 0.0, "checkpoint_step": 0.0}
+
+    def __init__(self, path: Any, on_done: Optional[Callable[[Dict[str, float]], None]] = None) -> None:
+        self.path = path
+        self.on_done = on_done
+        self.error: Optional[BaseException] = None
+        self.ignored = 0
+        self._result: Optional[Dict[str, float]] = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mfuwatch-resume", daemon=True)
+
+    def start(self) -> "ResumeReader":
+        """Start the reader thread; returns ``self``."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import os
+
+        out = dict(self.ZERO)
+        try:
+            if os.path.isfile(self.path):
+                got = read_resume(self.path)
+                self.ignored = int(got.pop("ignored"))
+                out = got
+        except Exception as exc:  # noqa: BLE001 - a torn or foreign timeline: no lost-progress figure
+            self.error = exc
+        self._result = out
+        if self.on_done is not None:
+            try:
+                self.on_done(out)
+            except Exception:  # noqa: BLE001
+                pass
+        self._done.set()  # after on_done: whoever waits sees its effects
+
+    @property
+    def done(self) -> bool:
+        """Whether the read has finished."""
+        return self._done.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> Optional[Dict[str, float]]:
+        """The resume figures (see the class docstring)."""
+        self._done.wait(timeout)
+        return self._result

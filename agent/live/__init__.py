@@ -1,2 +1,3 @@
 """The live path: training-thread hooks, the reporter on the agent thread, the step clock, the
-profiler sampler, and the outputs (Prometheus exporter, JSONL timeline, OTLP)."""
+profiler sampler, the outputs (Prometheus exporter and its HTTP server, JSONL timeline, OTLP), preemption
+(signal) handling and fork safety."""

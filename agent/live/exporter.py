@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any, Callable, Dict, Iterable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -211,11 +211,9 @@ class GuardedRegistry:
             try:
                 metrics = list(c.collect())
             except Exception as exc:  # noqa: BLE001 - one broken collector must not fail the scrape
-                if self.on_error is not None:
-                    try:
-                        self.on_error("collector", exc)
-                    except Exception:  # noqa: BLE001
-                        pass
+                from .http_server import report_error
+
+                report_error(self.on_error, "collector", exc)
                 continue
             yield from metrics
 
@@ -261,7 +259,7 @@ class Exporter:
                                lab + ["outcome"], registry=self.registry)
         self._base = (run_info.run, str(run_info.rank))
         self._server = None
-        self._thread = None
+        self.cache = None
         self.url = ""
         #: Told ``("collector", exc)`` of a collector that failed during a scrape (the agent's error counter).
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
@@ -292,26 +290,46 @@ class Exporter:
                 h.observe(step_seconds)
 
     def serve(self, port: int, bind: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
-              tries: int = 100) -> str:
-        """Start the HTTP server on ``port`` or, if busy, the next free port (up to ``tries`` ports).
+              tries: int = 100, *, auth: Any = None, max_connections: int = 256, read_timeout_s: float = 10.0,
+              handshake_timeout_s: float = 5.0, max_cpu_share: float = 0.03,
+              render_interval_s: float = 0.5) -> str:
+        """Start the HTTP(S) server (:mod:`mfuwatch.agent.live.http_server`) on ``port`` or, if busy, the next
+        free port (up to ``tries`` ports).
+
+        The exposition of :attr:`exposed_registry` is rendered at most every ``render_interval_s`` seconds
+        (and by :meth:`refresh`) and served as bytes; ``auth`` is an
+        :class:`~mfuwatch.agent.live.http_server.Auth` or ``None``; the other arguments bound what a client
+        can hold (see :class:`~mfuwatch.agent.live.http_server.MetricsServer`).
 
         Returns the URL of ``/metrics``. Raises ``OSError`` if no port in the range is free.
         """
+        import ssl
+
+        from prometheus_client import generate_latest
+
+        from .http_server import ExpositionCache, MetricsServer
+
+        ctx = None
+        if certfile:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(certfile, keyfile)
+        self.cache = ExpositionCache(lambda: generate_latest(self.exposed_registry), render_interval_s,
+                                     on_error=self._on_error)
         last: Optional[OSError] = None
         candidates = [0] if port == 0 else range(port, min(port + tries, 65536))
         for p in candidates:
+            server = MetricsServer(self.cache, bind, p, ssl_context=ctx, auth=auth, max_connections=max_connections,
+                                   read_timeout_s=read_timeout_s, handshake_timeout_s=handshake_timeout_s,
+                                   max_cpu_share=max_cpu_share, on_error=self._on_error)
             try:
-                result = start_http_server(p, addr=bind, registry=self.exposed_registry,
-                                           certfile=certfile, keyfile=keyfile)
+                server.start()
             except OSError as exc:
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                     raise
                 last = exc
                 continue
-            if result is None:  # prometheus-client < 0.20 returns nothing; we cannot stop it then
-                raise RuntimeError("prometheus-client >= 0.20 is required (start_http_server must return the server)")
-            self._server, self._thread = result
-            actual = self._server.server_address[1]
+            self._server = server
+            actual = server.server_address[1]
             if port and actual != port:
                 log.warning("mfuwatch: port %d is busy; the exporter serves on port %d instead", port, actual)
             scheme = "https" if certfile else "http"
@@ -322,12 +340,24 @@ class Exporter:
             return self.url
         raise OSError(errno.EADDRINUSE, f"no free port in {port}..{port + tries - 1} for the mfuwatch exporter") from last
 
-    def close(self) -> None:
-        """Stop the HTTP server and its thread. Idempotent."""
+    def refresh(self, force: bool = False) -> None:
+        """Render the exposition now if scrapes read the last render (the agent thread, after a report), or
+        always with ``force``; no-op without a server. At most two renders per render interval this way."""
+        cache = getattr(self, "cache", None)
+        if cache is not None and self._server is not None:
+            if force:
+                cache.refresh()
+            else:
+                cache.refresh_if_read()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the server's sockets without stopping the parent's server."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-            self._thread = None
+            server.forget_after_fork()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the HTTP server; returns within ``timeout`` seconds whatever the clients do. Idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close(timeout)

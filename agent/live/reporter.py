@@ -112,6 +112,8 @@ class ReportWiring:
     observe_step: Callable[[StepMeasurement], None] = _nothing
     observe_gpu: Callable[[GpuHealth], None] = _nothing
     observe_window: Callable[[WindowMeasurement], None] = _nothing
+    #: called first in each tick (fleet's ``ensure_attempt_written``: the attempt record after the resume read)
+    on_tick: Callable[[], None] = _nothing
     #: ``(phase open now, wall time of the last phase end)``: fleet accounting's (no cross-check over a phase)
     phase_state: Callable[[], tuple] = lambda: (False, 0.0)
 
@@ -171,11 +173,11 @@ class Reporter:
         self._thread = threading.Thread(target=self._loop, name="mfuwatch-agent", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stop the thread after one final pass (waits up to 5 s). Idempotent."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after one final pass (waits up to ``timeout`` seconds). Idempotent."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=timeout)
 
     # ------------------------------------------------------------------ agent thread
     def _loop(self) -> None:
@@ -187,6 +189,8 @@ class Reporter:
         """One pass of the agent thread. Each part has its own guard: a full disk under the timeline or a
         broken exporter is counted under its component while steps are still counted and alerts still fed."""
         polled_at = time.time()
+        with self.errors.guard("fleet"):  # the attempt record, after the resume read, before the run record
+            self.wiring.on_tick()
         intervals = []
         with self.errors.guard("clock"):
             intervals = self.wiring.poll()
@@ -293,6 +297,8 @@ class Reporter:
             self.wiring.observe_step(m)
         with self.errors.guard("progress"):
             self._progress(m, final)
+        with self.errors.guard("exporter"):  # harden (#28): scrapes serve this report's bytes from now on
+            self.exporter.refresh()
 
     def _progress(self, m: StepMeasurement, final: bool) -> None:
         """The console line of this report: config ``progress`` true, or ``"auto"`` when no exporter serves

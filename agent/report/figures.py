@@ -126,8 +126,12 @@ def tokens_figure(steps: List[_Rec]) -> go.Figure:
     return fig
 
 
-def step_time_figure(steps: List[_Rec]) -> go.Figure:
-    """Mean step time per report interval, with the p50/p90/p99 over the run (weighted by steps)."""
+def step_time_figure(steps: List[_Rec], quantile: Optional[Any] = None) -> go.Figure:
+    """Mean step time per report interval, with the p50/p90/p99 over the run (weighted by steps).
+
+    ``quantile(q)``, when given, computes the run's quantiles (the report passes the exact ones of every
+    step record, :meth:`mfuwatch.agent.report.load.Columns.quantile`, as ``steps`` may be downsampled).
+    """
     title = "Step time"
     if not steps:
         return _empty(title, "No step measurements in this timeline")
@@ -137,7 +141,7 @@ def step_time_figure(steps: List[_Rec]) -> go.Figure:
     weights = [float(s.get("steps") or 1) for s in timed]
     x = [utc(steps[0]["timestamp"]), utc(steps[-1]["timestamp"])]
     for q, dash in ((0.5, "dash"), (0.9, "dashdot"), (0.99, "dot")):
-        v = weighted_quantile(vals, weights, q)
+        v = quantile(q) if quantile is not None else weighted_quantile(vals, weights, q)
         if v is None:
             break
         fig.add_trace(go.Scatter(x=x, y=[v, v], mode="lines", name=f"p{round(q * 100)} over the run",

@@ -22,49 +22,10 @@ from __future__ import annotations
 import argparse
 import html
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from ..live.timeline import read_timeline
-
-
-@dataclass
-class TimelineData:
-    """The records of one run, grouped by kind, in file order (timestamps ascending)."""
-
-    run: Dict[str, Any] = field(default_factory=dict)
-    steps: List[Dict[str, Any]] = field(default_factory=list)
-    windows: List[Dict[str, Any]] = field(default_factory=list)
-    gpus: List[Dict[str, Any]] = field(default_factory=list)
-    alerts: List[Dict[str, Any]] = field(default_factory=list)
-
-
-def load_timeline(path: Union[str, Path]) -> TimelineData:
-    """Group the records of the last run in ``path`` by kind; unknown kinds are skipped.
-
-    A ``run`` record with another ``run``/``rank`` than the current one starts over (a
-    new run appended to the file); one with the same labels (a restarted job, or facts
-    learnt later such as the peak) only fills in the run's facts.
-
-    Raises:
-        OSError: if the file cannot be read.
-        ValueError: if a line other than the last is not JSON (from :func:`read_timeline`).
-    """
-    data = TimelineData()
-    buckets = {"step": data.steps, "window": data.windows, "gpu": data.gpus, "alert": data.alerts}
-    for rec in read_timeline(path):
-        kind = rec.get("kind")
-        if kind == "run":
-            same = data.run and (rec.get("run"), rec.get("rank")) == (data.run.get("run"), data.run.get("rank"))
-            if same:
-                data.run.update({k: v for k, v in rec.items() if v not in (None, "", {}, [])})
-            else:
-                data = TimelineData(run=rec)
-                buckets = {"step": data.steps, "window": data.windows, "gpu": data.gpus, "alert": data.alerts}
-        elif kind in buckets:
-            buckets[kind].append(rec)
-    return data
+from .load import TimelineData, load_timeline  # noqa: F401  (streaming, bounded memory: agent/report/load.py)
 
 
 def peak_flops(data: TimelineData) -> Optional[float]:
@@ -110,15 +71,10 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], row_classes: S
 
 
 def _summary(data: TimelineData) -> str:
-    steps = data.steps
-    w = [s.get("steps") or 1 for s in steps]
-    from .figures import weighted_quantile
+    def median(key: str) -> Optional[float]:  # over every step record, weighted by the steps each covers
+        return data.step_columns.quantile(key, 0.5)
 
-    def median(key: str) -> Optional[float]:
-        vals = [(s[key], n) for s, n in zip(steps, w) if s.get(key) is not None]
-        return weighted_quantile([v for v, _ in vals], [n for _, n in vals], 0.5) if vals else None
-
-    last_window = data.windows[-1] if data.windows else {}
+    last_window = data.last_window
     cards = [
         ("MFU (median)", _fmt(median("mfu"), "pct")),
         ("HFU (median)", _fmt(median("hfu"), "pct")),
@@ -143,8 +99,14 @@ def _run_facts(data: TimelineData) -> str:
          "unknown: MFU is not reported"),
         ("FLOP count from", r.get("flops_source") or "n/a"),
         ("Steps measured", f"up to step {last}" if last is not None else "none"),
-        ("Profiler windows", str(len(data.windows))), ("Alerts", str(len(data.alerts))),
+        ("Profiler windows", str(data.counts["window"])), ("Alerts", str(data.counts["alert"])),
     ]
+    drawn = [f"{data.counts[k]:,} {k} records drawn as {len(series):,} points (each the mean of up to "
+             f"{data.merged[k]} consecutive records)" for k, series in (("step", data.steps), ("gpu", data.gpus),
+                                                                         ("window", data.windows))
+             if data.merged[k] > 1]
+    if drawn:
+        facts.append(("Charts", "; ".join(drawn)))
     return _table(["Fact", "Value"], [[html.escape(k), html.escape(str(v))] for k, v in facts])
 
 
@@ -216,9 +178,10 @@ def render_html(data: TimelineData) -> str:
                            config={"displaylogo": False, "responsive": True})
 
     peak = peak_flops(data)
-    window = data.windows[-1] if data.windows else {}
+    window = data.last_window
     charts = [figs.mfu_figure(data.steps, data.alerts), figs.flops_figure(data.steps, peak),
-              figs.tokens_figure(data.steps), figs.step_time_figure(data.steps),
+              figs.tokens_figure(data.steps),
+              figs.step_time_figure(data.steps, lambda q: data.step_columns.quantile("step_time_seconds", q)),
               figs.breakdown_figure(data.windows), figs.memory_bound_figure(data.windows)]
     gpu = figs.gpu_figure(data.gpus) if data.gpus else None
     run = html.escape(str(data.run.get("run", "unknown run")))
@@ -236,6 +199,8 @@ def render_html(data: TimelineData) -> str:
         "<h2>Top ops of the latest profiler window</h2>", _ops_table(window),
         "<h2>Suggested remedies</h2>", _suggestions_table(window),
         "<h2>Alerts</h2>", _alerts_table(data.alerts),
+        (f'<p class="empty">{data.alerts_not_listed:,} later alert records are not listed.</p>'
+         if data.alerts_not_listed else ""),
         "<h2>GPU health</h2>", div(gpu) if gpu is not None else
         '<p class="empty">No NVML samples in this timeline (no NVIDIA GPU, or NVML unavailable).</p>',
         "<h2>Run</h2>", _run_facts(data),

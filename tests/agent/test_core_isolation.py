@@ -144,11 +144,13 @@ def test_failing_collector_is_counted_and_metrics_still_answer():
     try:
         a.step(tokens=3)
         for _ in range(3):
+            time.sleep(a.config.exporter_render_interval_seconds)  # each scrape renders anew
             with urllib.request.urlopen(a.exporter_url, timeout=10) as resp:
                 assert resp.status == 200
                 body = resp.read().decode()
         assert "mfuwatch_steps_total" in body and "Traceback" not in body
-        assert a.errors.get("collector") == 3  # one per failed scrape
+        # one per render of the exposition (scrapes within exporter_render_interval_seconds share one)
+        assert a.errors.get("collector") == a.exporter.cache.renders == 3
         assert 'mfuwatch_agent_errors_total{component="collector"' in body or \
             'component="collector"' in body
     finally:

@@ -109,6 +109,7 @@ def test_restart_counts_the_steps_after_the_last_checkpoint_as_lost_progress(tmp
     lost = steps_to_redo(read_timeline(tmp_path / "timeline.jsonl"))
     assert (lost["steps"], lost["last_step"], lost["checkpoint_step"]) == (2, 6, 4)
     model, opt, agent, clock = _agent(tmp_path, run="gp-restart")
+    agent.fleet._resume_reader.result(5.0)  # the resume read runs off the training thread (#28)
     assert agent.fleet.goodput.redo_steps == 2
     for _ in range(5):
         _step(model, opt, clock, compute=1.0)

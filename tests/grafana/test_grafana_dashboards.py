@@ -33,6 +33,7 @@ NOT_ON_DASHBOARDS = {
     M.PROFILE_WINDOWS_TOTAL: "agent self-monitoring; counted for the alert rules and the logs",
     M.AGENT_ERRORS_TOTAL: "agent self-monitoring; has no series in a healthy run",
     M.IMPLAUSIBLE_RATIO_TOTAL: "0 in a sound run; read by the MfuImplausible rule, which pages on any increase",
+    M.SIGNALS_TOTAL: "has a series only in the last moments of a preempted run (its timeline records the signal)",
     M.NOTIFICATIONS_TOTAL: "notifier self-monitoring; has no series until a notification is sent",
     M.LAST_STEP_DURATION_SECONDS: "the step-time histogram gives the same per-rank mean, and quantiles",
     M.MODEL_FLOPS_TOTAL: "read through the recorded job:mfuwatch_mfu:ratio (fleet rules)",

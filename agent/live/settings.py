@@ -1,0 +1,127 @@
+"""Validation of the agent's exporter-hardening and preemption settings: called by ``config._validate``.
+
+Fields (on :class:`~mfuwatch.agent.config.AgentConfig`):
+
+``exporter_auth``                    ``null``, or ``{type: bearer, token_env: VAR | token_file: PATH}``, or
+                                     ``{type: basic, username: NAME, password_env: VAR | password_file: PATH}``
+                                     (what Prometheus sends with ``authorization`` / ``basic_auth``)
+``exporter_max_connections``         open connections at most (1..65536)
+``exporter_read_timeout_seconds``    a request must arrive (and its answer be taken) within this (> 0)
+``tls_handshake_timeout_seconds``    a TLS handshake must end within this (> 0)
+``exporter_render_interval_seconds`` the exposition is rendered at most this often (>= 0)
+``exporter_max_cpu_share``           the server thread's CPU time per wall second, at most (0 < x <= 1)
+``preemption_signals``               signal names that close the agent before their previous handler runs
+                                     (``[]`` = none); accepted: :data:`PREEMPTION_SIGNALS`
+``preemption_timeout_seconds``       the bound on that close (> 0)
+
+Secrets are read where the config names them (environment or file), never written in it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Type
+
+#: signals a scheduler sends before it kills a job: SIGTERM (Slurm at the time limit and on preemption,
+#: Kubernetes, torchrun), SIGHUP (a lost terminal, some batch systems), SIGUSR1/SIGUSR2 (Slurm's
+#: ``--signal``, LSF, SGE warnings). SIGINT is left to Python's KeyboardInterrupt (the agent closes then).
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+
+_AUTH_KEYS = {"bearer": {"type", "token_env", "token_file"},
+              "basic": {"type", "username", "password_env", "password_file"}}
+
+
+def _positive(cfg: Any, name: str, error: Type[Exception], zero_ok: bool = False) -> None:
+    v = getattr(cfg, name)
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and
+          (v >= 0 if zero_ok else v > 0))
+    if not ok:
+        raise error(f"{name}: expected a finite number {'>= 0' if zero_ok else '> 0'} (seconds), got {v!r}")
+    setattr(cfg, name, float(v))
+
+
+def validate_live(cfg: Any, error: Type[Exception]) -> None:
+    """Check and normalise the fields listed in the module docstring, in place.
+
+    Raises:
+        error: (the config module's ``ConfigError``) naming the field and the accepted values; for
+            ``exporter_auth``, also when its secret cannot be read (naming the variable or file only).
+    """
+    import difflib
+
+    v = cfg.exporter_max_connections
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
+        raise error(f"exporter_max_connections: expected an integer 1..65536, got {v!r}")
+    for name in ("exporter_read_timeout_seconds", "tls_handshake_timeout_seconds", "preemption_timeout_seconds"):
+        _positive(cfg, name, error)
+    _positive(cfg, "exporter_render_interval_seconds", error, zero_ok=True)
+    v = cfg.exporter_max_cpu_share
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1):
+        raise error(f"exporter_max_cpu_share: expected a number in (0, 1] (share of one core), got {v!r}")
+    cfg.exporter_max_cpu_share = float(v)
+    sigs = cfg.preemption_signals
+    if sigs in (None, False):
+        sigs = []
+    if isinstance(sigs, str):
+        sigs = [s.strip() for s in sigs.split(",") if s.strip()]
+    if not isinstance(sigs, (list, tuple)):
+        raise error(f"preemption_signals: expected a list of signal names ({', '.join(PREEMPTION_SIGNALS)}) or [], "
+                    f"got {sigs!r}")
+    out = []
+    for s in sigs:
+        name = str(s).upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in PREEMPTION_SIGNALS:
+            m = difflib.get_close_matches(name, PREEMPTION_SIGNALS, n=1, cutoff=0.5)
+            hint = f" (did you mean {m[0]!r}?)" if m else ""
+            raise error(f"preemption_signals: unknown signal {s!r}{hint}; accepted: {', '.join(PREEMPTION_SIGNALS)}")
+        if name not in out:
+            out.append(name)
+    cfg.preemption_signals = out
+    cfg.exporter_auth = _validate_auth(cfg.exporter_auth, error)
+
+
+def _validate_auth(a: Any, error: Type[Exception]) -> Optional[dict]:
+    if a in (None, False, {}):
+        return None
+    if not isinstance(a, dict):
+        raise error("exporter_auth: expected null, {type: bearer, token_env|token_file} or "
+                    f"{{type: basic, username, password_env|password_file}}, got {a!r}")
+    typ = str(a.get("type", "")).lower()
+    if typ not in _AUTH_KEYS:
+        raise error(f"exporter_auth.type: expected 'bearer' or 'basic', got {a.get('type')!r}")
+    for k in a:
+        if k not in _AUTH_KEYS[typ]:
+            import difflib
+
+            m = difflib.get_close_matches(k, sorted(_AUTH_KEYS[typ]), n=1, cutoff=0.5)
+            raise error(f"exporter_auth.{k}: unknown key{f' (did you mean {m[0]!r}?)' if m else ''}; accepted for "
+                        f"type {typ}: {', '.join(sorted(_AUTH_KEYS[typ]))}")
+    if typ == "basic" and not (isinstance(a.get("username"), str) and a["username"]):
+        raise error("exporter_auth.username: required for type basic (a non-empty string)")
+    auth_from_config(dict(a, type=typ), error)  # reads the secret now: a missing one fails at start-up
+    return dict(a, type=typ)
+
+
+def auth_from_config(a: Optional[dict], error: Type[Exception] = ValueError) -> Any:
+    """The :class:`~mfuwatch.agent.live.http_server.Auth` of a validated ``exporter_auth`` mapping (or ``None``).
+
+    Raises:
+        error: the secret's variable is unset/empty or its file unreadable/empty (the message names the
+            variable or the path, never the value).
+    """
+    if not a:
+        return None
+    from mfuwatch.alerts.secrets import SecretError, resolve_secret
+
+    from .http_server import Auth
+
+    try:
+        if a["type"] == "bearer":
+            return Auth.bearer(resolve_secret(a.get("token_env"), a.get("token_file"),
+                                              "exporter_auth.token").reveal())
+        return Auth.basic(a["username"], resolve_secret(a.get("password_env"), a.get("password_file"),
+                                                        "exporter_auth.password").reveal())
+    except SecretError as exc:
+        raise error(str(exc)) from None

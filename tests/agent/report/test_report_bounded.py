@@ -1,0 +1,106 @@
+"""``mfuwatch report`` streams the timeline (issue #28): memory grows by a few float64 per step record, not by a
+parsed dict per record; the charts get at most a few thousand points (merged with step weights, nothing
+dropped); the medians stay exact; oversized lines fail with their line number."""
+
+from __future__ import annotations
+
+import json
+import random
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from mfuwatch.agent.report import load as load_mod
+from mfuwatch.agent.report.html import _summary, load_timeline
+
+
+def _write(path, n_steps, n_gpu=0, n_alerts=0, seed=0):
+    rng = random.Random(seed)
+    rows = []
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"kind": "run", "run": "big", "rank": 0, "peak_flops_per_second": 1e15}) + "\n")
+        step = 0
+        for i in range(n_steps):
+            k = rng.choice([10, 10, 10, 3])
+            step += k
+            st = rng.lognormvariate(-3.0, 0.3)
+            rec = {"kind": "step", "step": step, "steps": k, "timestamp": 1.7e9 + i, "step_time_seconds": st,
+                   "tokens": 512 * k, "tokens_per_second": 512 / st, "model_flops_per_second": 1e12 / st,
+                   "mfu": 1e12 / st / 1e15, "hfu": None, "loss": 2.0, "tokens_per_step": 512.0,
+                   "pad": "x" * 200}
+            rows.append((st, k))
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            if n_gpu and i % max(1, n_steps // n_gpu) == 0:
+                fh.write(json.dumps({"kind": "gpu", "timestamp": 1.7e9 + i, "utilization": 0.9,
+                                     "power_watts": 500.0 + i % 7}) + "\n")
+            if n_alerts and i < n_alerts:
+                fh.write(json.dumps({"kind": "alert", "timestamp": 1.7e9 + i, "alertname": "X",
+                                     "status": "firing"}) + "\n")
+    return rows, step
+
+
+def _weighted_median(rows):
+    vals = np.array([v for v, _ in rows], dtype=np.float64)
+    w = np.array([k for _, k in rows], dtype=np.float64)
+    o = np.argsort(vals, kind="stable")
+    cum = np.cumsum(w[o])
+    return float(vals[o][np.searchsorted(cum, 0.5 * cum[-1])])
+
+
+def test_downsampled_charts_keep_every_step_and_exact_medians(tmp_path):
+    path = tmp_path / "tl.jsonl"
+    rows, last = _write(path, 20000, n_gpu=10000)
+    data = load_timeline(path)
+    assert data.counts["step"] == 20000
+    assert len(data.steps) <= load_mod.MAX_POINTS and data.merged["step"] > 1
+    assert sum(s["steps"] for s in data.steps) == sum(k for _, k in rows)  # merged, not dropped
+    assert data.steps[-1]["step"] == last
+    assert len(data.gpus) <= load_mod.MAX_POINTS and data.counts["gpu"] == 10000
+    # the drawn mean of a merged point is the step-weighted mean of what it stands for
+    total_time = sum(v * k for v, k in rows)
+    drawn_time = sum(s["step_time_seconds"] * s["steps"] for s in data.steps)
+    assert drawn_time == pytest.approx(total_time, rel=1e-9)
+    assert data.step_columns.quantile("step_time_seconds", 0.5) == _weighted_median(rows)
+    assert "Step time (median)" in _summary(data)
+
+
+def test_memory_grows_by_columns_not_by_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(load_mod, "MAX_POINTS", 500)  # both sizes past the first merges
+    peaks = {}
+    for n in (5000, 25000):
+        path = tmp_path / f"tl{n}.jsonl"
+        _write(path, n)
+        tracemalloc.start()
+        data = load_timeline(path)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert len(data.steps) <= 500 and data.counts["step"] == n
+    # 20k more records: 64 bytes each in the columns (+ array over-allocation), not ~1 KB each as dicts
+    assert peaks[25000] - peaks[5000] < 20000 * 200, peaks
+
+
+def test_alerts_past_the_cap_are_counted_and_lines_too_long_fail(tmp_path, monkeypatch):
+    monkeypatch.setattr(load_mod, "MAX_ALERTS", 50)
+    path = tmp_path / "tl.jsonl"
+    _write(path, 100, n_alerts=80)
+    data = load_timeline(path)
+    assert len(data.alerts) == 50 and data.alerts_not_listed == 30 and data.counts["alert"] == 80
+    monkeypatch.setattr(load_mod, "MAX_LINE_BYTES", 1000)
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"kind": "step", "pad": "y" * 5000}) + "\n")
+        fh.write(json.dumps({"kind": "run", "run": "big", "rank": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"tl.jsonl:\d+: a line longer than"):
+        load_timeline(path)
+
+
+def test_torn_last_line_is_skipped_and_a_bad_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "tl.jsonl"
+    _write(path, 10)
+    with open(path, "a") as fh:
+        fh.write('{"kind": "step", "st')
+    assert load_timeline(path).counts["step"] == 10
+    with open(path, "a") as fh:
+        fh.write("\n" + json.dumps({"kind": "step", "step": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"tl.jsonl:12: not a JSON line"):
+        load_timeline(path)

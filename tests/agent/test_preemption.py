@@ -1,0 +1,175 @@
+"""Preemption signals and fork safety, in real subprocesses (issue #28).
+
+A job (tests/helpers/preempt_job.py) runs the agent with a timeline, a file-SD target and a
+critical alert that fires at its first report, notified to a local receiver. The test waits
+for the firing notification, sends the signal, and checks what a scheduler's SIGTERM used to
+lose: the resolved notification, the last steps in the timeline, the file-SD file; and that the
+process still ends the way it would without the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mfuwatch.agent.live import preemption
+from mfuwatch.agent.live.timeline import read_timeline
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+from helpers.receiver import AlertReceiver  # noqa: E402
+
+JOB = str(TESTS / "helpers" / "preempt_job.py")
+
+
+def _alerts(rx, status):
+    out = []
+    for r in rx.delivered:
+        body = r.json
+        for a in body.get("alerts", []):
+            if a.get("status") == status:
+                out.append(a)
+    return out
+
+
+def _run(mode, tmp_path, rx):
+    tl, sd = tmp_path / "tl.jsonl", tmp_path / "sd"
+    env = dict(os.environ, MFUWATCH_TEST_HOOK=rx.url, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, JOB, mode, str(tl), str(sd)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, tl, sd
+
+
+def _wait_firing(rx, proc):
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not _alerts(rx, "firing"):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    assert _alerts(rx, "firing"), "the alert never fired"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_closes_the_agent_then_the_default_action_ends_the_process(tmp_path, sig):
+    with AlertReceiver() as rx:
+        proc, tl, sd = _run("loop", tmp_path, rx)
+        _wait_firing(rx, proc)
+        assert len(list(sd.iterdir())) == 1  # the file-SD target exists while the job runs
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(timeout=20)
+        took = time.monotonic() - t0
+        name = signal.Signals(sig).name
+        assert proc.returncode == -sig  # exactly as without the agent (-15 for SIGTERM)
+        assert took < 2.0 + 1.0  # preemption_timeout_seconds (2 s) plus the interpreter's exit
+        resolved = _alerts(rx, "resolved")
+        assert [a["annotations"]["resolved_reason"] for a in resolved] == [f"run preempted ({name})"]
+    records = list(read_timeline(tl))
+    sigs = [r for r in records if r["kind"] == "signal"]
+    assert [r["signal"] for r in sigs] == [name]
+    steps = [r for r in records if r["kind"] == "step"]
+    # every step up to the signal is in the timeline: the steps of the records add up to the last one
+    assert steps[-1]["step"] == sigs[0]["step"] == sum(r["steps"] for r in steps)
+    alert_recs = [r for r in records if r["kind"] == "alert" and r.get("status") == "resolved"]
+    assert [r["reason"] for r in alert_recs] == [f"run preempted ({name})"]
+    assert list(sd.iterdir()) == []  # the file-SD target is gone
+
+
+def test_a_user_handler_installed_before_the_agent_still_runs(tmp_path):
+    with AlertReceiver() as rx:
+        proc, tl, sd = _run("user", tmp_path, rx)
+        _wait_firing(rx, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert proc.returncode == 7  # the user's handler decided the exit
+        assert Path(str(tl) + ".user").read_text() == f"{int(signal.SIGTERM)}\n"
+        assert [a["annotations"]["resolved_reason"] for a in _alerts(rx, "resolved")] == ["run preempted (SIGTERM)"]
+    assert [r["signal"] for r in read_timeline(tl) if r["kind"] == "signal"] == ["SIGTERM"]
+
+
+def test_sigint_and_an_exception_behave_as_without_the_agent(tmp_path):
+    with AlertReceiver() as rx:
+        proc, tl, _ = _run("loop", tmp_path, rx)
+        _wait_firing(rx, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        # CPython's own ending for an uncaught KeyboardInterrupt: the traceback, then death by SIGINT (-2)
+        assert proc.returncode == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt")
+        assert [a["annotations"]["resolved_reason"] for a in _alerts(rx, "resolved")] == ["run ended"]
+    assert not [r for r in read_timeline(tl) if r["kind"] == "signal"]
+    with AlertReceiver() as rx:
+        (tmp_path / "e").mkdir()
+        proc, tl, _ = _run("error", tmp_path / "e", rx)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "RuntimeError: a bug in the training loop" in err
+        assert [a["annotations"]["resolved_reason"] for a in _alerts(rx, "resolved")] == ["run ended"]
+
+
+def test_forked_child_is_inert_and_exits_with_its_own_status(tmp_path):
+    with AlertReceiver() as rx:
+        proc, tl, sd = _run("fork", tmp_path, rx)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "child status 3" in out and "parent scrape ok" in out and "clean exit" in out, (out, err)
+        # one firing and one resolved message: the child sent nothing, closed nothing
+        assert len(_alerts(rx, "firing")) == 1 and len(_alerts(rx, "resolved")) == 1
+    records = list(read_timeline(tl))
+    assert len([r for r in records if r["kind"] == "run"]) == 1
+    steps = [r for r in records if r["kind"] == "step"]
+    assert steps[-1]["step"] == 60 == sum(r["steps"] for r in steps)  # no record written twice
+    assert list(sd.iterdir()) == []
+
+
+def test_uninstall_keeps_a_handler_installed_later_and_off_main_thread_installs_nothing():
+    import threading
+
+    before = signal.getsignal(signal.SIGUSR2)
+    calls = []
+    uninstall = preemption.install(lambda reason: calls.append(reason), 1.0, signals=["SIGUSR2"])
+    ours = signal.getsignal(signal.SIGUSR2)
+    assert ours is not before
+
+    def later(signum, frame):
+        calls.append("later")
+
+    signal.signal(signal.SIGUSR2, later)
+    uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is later  # not replaced by the agent's uninstall
+    signal.signal(signal.SIGUSR2, before)
+    got = []
+    t = threading.Thread(target=lambda: got.append(preemption.install(lambda r: None, 1.0, signals=["SIGUSR2"])))
+    t.start()
+    t.join()
+    got[0]()
+    assert signal.getsignal(signal.SIGUSR2) is before and calls == []
+
+
+def test_a_close_that_hangs_is_abandoned_after_the_timeout():
+    calls = []
+    prev_calls = []
+    signal.signal(signal.SIGUSR2, lambda s, f: prev_calls.append(s))
+    try:
+        uninstall = preemption.install(lambda reason: time.sleep(30), 0.3, record_fn=calls.append,
+                                       signals=["SIGUSR2"])
+        t0 = time.monotonic()
+        signal.raise_signal(signal.SIGUSR2)
+        assert time.monotonic() - t0 < 1.0
+        assert calls == ["SIGUSR2"] and prev_calls == [int(signal.SIGUSR2)]
+        uninstall()
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_unknown_signal_name_fails_at_start_up():
+    from mfuwatch.agent.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="did you mean 'SIGTERM'"):
+        load_config({"preemption_signals": ["SIGTREM"]})
+    assert load_config({"preemption_signals": []}).preemption_signals == []
+    assert json.dumps(load_config({}).preemption_signals) == '["SIGTERM"]'
