@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import goodput as goodput_mod
+from mfuwatch.agent.fleet import goodput as goodput_mod
 from mfuwatch.agent.fleet.goodput import MAX_RECORD_BYTES, read_resume, steps_to_redo
 from mfuwatch.agent.live.timeline import read_timeline
 
@@ -115,6 +116,9 @@ def test_the_read_is_off_the_training_thread_and_the_attempt_record_waits_for_it
                           flops_per_step=1e9, timeline=str(tl), goodput_warmup_steps=0, progress=False))
     try:
         assert not a.fleet._resume_reader.done  # Agent() returned while the read still waits
+        deadline = time.monotonic() + 5
+        while "thread" not in seen and time.monotonic() < deadline:  # the reader thread may start late
+            time.sleep(0.01)
         assert seen["thread"] == "mfuwatch-resume"
         gate.set()
         for _ in range(15):
