@@ -42,12 +42,17 @@ KERNEL = "cross_entropy"
 _MARK = "_mfuwatch_lm_head"
 
 
-class LMHead(nn.Module):
+class LMHead(nn.Linear):
     """The LM head ``nn.Linear`` of a patched model: ``F.linear(x, weight, bias)``, or, while the patched
-    forward collects into :attr:`box`, the input appended to it and an empty (..., 0) tensor returned."""
+    forward collects into :attr:`box`, the input appended to it and an empty (..., 0) tensor returned.
+
+    A subclass of ``nn.Linear`` (built around the original's parameters, none allocated), so that whatever
+    reads a model's linears still finds the head: the agent's analytic FLOP count
+    (``mfuwatch.agent.architectures``, which places every 2-D weight by its module's class and would otherwise
+    fall back to the counted path), PEFT's and FSDP's module rules, ``isinstance`` checks."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate and initialise a new weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         if linear.bias is not None:
