@@ -260,7 +260,7 @@ def main() -> int:
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu (interpreter)"
-    text = (f"# Hugging Face {args.model} end to end ({dev}, torch {torch.__version__})\n\n"
+    text = (f"# Hugging Face {dict(llama='Llama', qwen3='Qwen3')[args.model]} end to end ({dev}, torch {torch.__version__})\n\n"
             f"{'tiny 2-layer d=32, batch 2 x 16, fp32' if args.tiny else '8 layers, d=2048, 16/4 heads, ff 5632, batch 4 x 2048, bf16 autocast, fused AdamW'}; "
             f"{args.steps} timed steps after {args.warmup} warm-up, {args.rounds} round(s), each configuration "
             f"in its own process.\n\n" + table(results, configs, vocabs, args))
