@@ -45,8 +45,9 @@ VOCAB_CHUNK = 2048
 #: Bytes of the fp32 dh accumulator of one row chunk when ``h`` is not fp32 (64 MiB: 4096 rows at H = 4096).
 ROW_CHUNK_BYTES = 1 << 26
 #: (BM, BN, BK, num_warps, num_stages) of the forward and of the backward on a GPU.
-FWD_SETTING = (128, 128, 64, 8, 3)
-BWD_SETTING = (128, 128, 64, 8, 2)
+#: (BK = 32: at BK = 64 both kernels spill registers in Triton 3.9's sm_90 build, read with cuobjdump.)
+FWD_SETTING = (128, 128, 32, 8, 4)
+BWD_SETTING = (128, 128, 32, 8, 2)
 #: Settings under the interpreter (small tiles: it is slow per element either way).
 INTERP_SETTING = (16, 16, 16, 1, 1)
 
@@ -54,7 +55,7 @@ INTERP_SETTING = (16, 16, 16, 1, 1)
 @triton.jit
 def _logits_tile(Hp, Wp, Bp, rows, cols, N, V, K, stride_h, stride_w,
                  HAS_BIAS: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr):
     """fp32 (BM, BN) tile of ``h[rows] @ W[cols]^T (+ b[cols])``; rows/cols past N/V read as 0."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     rm = rows < N
@@ -63,9 +64,13 @@ def _logits_tile(Hp, Wp, Bp, rows, cols, N, V, K, stride_h, stride_w,
     h_ptr = Hp + rows[:, None].to(tl.int64) * stride_h + ks[None, :]
     w_ptr = Wp + cols[:, None].to(tl.int64) * stride_w + ks[None, :]
     for k in tl.range(0, K, BK, num_stages=STAGES):
-        km = (k + ks) < K
-        a = tl.load(h_ptr + k, mask=rm[:, None] & km[None, :], other=0.0)
-        b = tl.load(w_ptr + k, mask=cm[:, None] & km[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(h_ptr + k, mask=rm[:, None], other=0.0)
+            b = tl.load(w_ptr + k, mask=cm[:, None], other=0.0)
+        else:
+            km = (k + ks) < K
+            a = tl.load(h_ptr + k, mask=rm[:, None] & km[None, :], other=0.0)
+            b = tl.load(w_ptr + k, mask=cm[:, None] & km[None, :], other=0.0)
         if F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -86,7 +91,7 @@ def _lse_fwd_kernel(
     Hp, Wp, Bp, T, PM, PS, PZ, PT,  # h (N, K), W (V, K), b (V,), t (N,); partials (SPLITS, N) fp32
     N, V, K, stride_h, stride_w, cols_per_split, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_mb = tl.cdiv(N, BM)
@@ -104,7 +109,7 @@ def _lse_fwd_kernel(
     for n0 in range(c0, c1, BN):
         cols = n0 + tl.arange(0, BN)
         x = _logits_tile(Hp, Wp, Bp, rows, cols, N, V, K, stride_h, stride_w, HAS_BIAS, F32, IEEE, DT,
-                         BM, BN, BK, STAGES)
+                         BM, BN, BK, STAGES, EVEN_K)
         if HAS_SOFTCAP:
             x = softcap * _tanh(x / softcap)
         cm = cols < c1
@@ -128,7 +133,7 @@ def _grad_bwd_kernel(
     N, V, K, stride_h, stride_w, v0, chunk, smoothing, z_loss, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr, DW_OFFSET: tl.constexpr, F32: tl.constexpr, IEEE: tl.constexpr, DT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # DW_OFFSET: DW is the whole (V, K) gradient (rows v0 + ...), else the (chunk, K) accumulator of this chunk
     pid = tl.program_id(0)
@@ -141,7 +146,7 @@ def _grad_bwd_kernel(
     rm = rows < N
     cm = (lcols < chunk) & (cols < V)
     x = _logits_tile(Hp, Wp, Bp, rows, tl.where(cm, cols, V), N, V, K, stride_h, stride_w, HAS_BIAS, F32, IEEE,
-                     DT, BM, BN, BK, STAGES)
+                     DT, BM, BN, BK, STAGES, EVEN_K)
     t = tl.load(T + rows, mask=rm, other=-1).to(tl.int64)
     lse = tl.load(LSE + rows, mask=rm, other=0.0)
     coef = tl.load(COEF + rows, mask=rm, other=0.0)
@@ -172,7 +177,10 @@ def _grad_bwd_kernel(
     else:
         dw_ptr = DW + lcols[:, None].to(tl.int64) * K + ks[None, :]
     for k in range(0, K, BK):
-        km = (k + ks) < K
+        if EVEN_K:
+            km = ks < BK
+        else:
+            km = (k + ks) < K
         if NEED_DH:
             w = tl.load(w_ptr + k, mask=cm[:, None] & km[None, :], other=0.0)
             w = w.to(tl.float32) if F32 else w.to(DT)
@@ -232,7 +240,7 @@ def lse_forward(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], t: 
             h, w, b if b is not None else h, tt, part[0], part[1], part[2], part[3],
             N, V, K, h.stride(0), w.stride(0), per, float(softcap) if softcap > 0 else 1.0,
             HAS_BIAS=b is not None, HAS_SOFTCAP=softcap > 0, **_flags(h, dtype), BM=BM, BN=BN, BK=BK,
-            STAGES=stages, num_warps=warps, num_stages=stages)
+            STAGES=stages, EVEN_K=K % BK == 0, num_warps=warps, num_stages=stages)
     pm, ps, pz, pt = part
     gm = pm.max(0).values
     lse = gm + torch.log((ps * torch.exp(pm - gm)).sum(0))
@@ -299,7 +307,7 @@ def grad_backward(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], t
                     float(softcap) if softcap > 0 else 1.0,
                     HAS_BIAS=b is not None, HAS_SOFTCAP=softcap > 0, NEED_DH=need[0], NEED_DW=need[1],
                     NEED_DB=need[2], DW_OFFSET=acc is None, **_flags(h, dtype), BM=BM, BN=BN, BK=BK, STAGES=stages,
-                    num_warps=warps, num_stages=stages)
+                    EVEN_K=K % BK == 0, num_warps=warps, num_stages=stages)
                 if acc is not None:
                     part = dw[v0:v0 + c]
                     if r0 > 0:  # a later row chunk: add to what the earlier ones left (one rounding per chunk)
