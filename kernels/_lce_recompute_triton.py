@@ -46,8 +46,8 @@ VOCAB_CHUNK = 2048
 ROW_CHUNK_BYTES = 1 << 26
 #: (BM, BN, BK, num_warps, num_stages) of the forward and of the backward on a GPU.
 #: (BK = 32: at BK = 64 both kernels spill registers in Triton 3.9's sm_90 build, read with cuobjdump.)
-FWD_SETTING = (128, 128, 32, 8, 4)
-BWD_SETTING = (128, 128, 32, 8, 2)
+FWD_SETTING = (128, 128, 64, 8, 3)
+BWD_SETTING = (128, 128, 64, 8, 2)
 #: Settings under the interpreter (small tiles: it is slow per element either way).
 INTERP_SETTING = (16, 16, 16, 1, 1)
 
