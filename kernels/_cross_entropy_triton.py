@@ -52,7 +52,7 @@ def _tanh_sech2(u):
     a difference of two numbers within an ulp of 1: an absolute error of ~1e-7 on a value that may be
     1e-10, which the gradient of a saturated softcap lane would carry)."""
     e = tl.exp(-2.0 * tl.abs(u))
-    r = 1.0 / (1.0 + e)
+    r = tl.fdiv(tl.full(e.shape, 1.0, tl.float32), 1.0 + e)  # the fast reciprocal (not IEEE division)
     th = (1.0 - e) * r
     return tl.where(u < 0, -th, th), 4.0 * e * r * r
 
@@ -85,7 +85,7 @@ def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
         else:
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            th, dzdx = _tanh_sech2(x / softcap)
+            th, dzdx = _tanh_sech2(x * (1.0 / softcap))
             z = softcap * th
         else:
             z = x
@@ -131,7 +131,7 @@ def _ce_fwd_kernel(
                 else:
                     x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x = softcap * _tanh(x / softcap)
+                    x = softcap * _tanh(x * (1.0 / softcap))
                 zv += tl.where(m, x, 0.0)
                 d = x - mv
                 e = tl.exp(-tl.abs(d))
@@ -153,7 +153,7 @@ def _ce_fwd_kernel(
                 else:
                     x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x = softcap * _tanh(x / softcap)
+                    x = softcap * _tanh(x * (1.0 / softcap))
                 zsum += tl.sum(tl.where(m, x, 0.0), 0)
                 x = tl.where(m, x, -float("inf"))
                 new_mx = tl.maximum(mx, tl.max(x, 0))
@@ -162,7 +162,7 @@ def _ce_fwd_kernel(
         lse = mx + tl.log(s)
         zt = tl.load(x_row + t_safe).to(tl.float32)
         if HAS_SOFTCAP:
-            zt = softcap * _tanh(zt / softcap)
+            zt = softcap * _tanh(zt * (1.0 / softcap))
         loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
         loss = tl.where(valid, loss, float("nan"))
         loss = tl.where(ignored, 0.0, loss)
@@ -195,7 +195,7 @@ def _ce_fwd_split_kernel(
     m = cols < V
     x = tl.load(X + row * stride_x + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_SOFTCAP:
-        th, dzdx = _tanh_sech2(x / softcap)
+        th, dzdx = _tanh_sech2(x * (1.0 / softcap))
         z = softcap * th
     else:
         z = x

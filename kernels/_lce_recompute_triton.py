@@ -111,7 +111,7 @@ def _lse_fwd_kernel(
         x = _logits_tile(Hp, Wp, Bp, rows, cols, N, V, K, stride_h, stride_w, HAS_BIAS, F32, IEEE, DT,
                          BM, BN, BK, STAGES, EVEN_K)
         if HAS_SOFTCAP:
-            x = softcap * _tanh(x / softcap)
+            x = softcap * _tanh(x * (1.0 / softcap))
         cm = cols < c1
         zs += tl.sum(tl.where(cm[None, :], x, 0.0), 1)
         zt += tl.sum(tl.where(cols[None, :] == t[:, None], x, 0.0), 1)
@@ -151,7 +151,7 @@ def _grad_bwd_kernel(
     lse = tl.load(LSE + rows, mask=rm, other=0.0)
     coef = tl.load(COEF + rows, mask=rm, other=0.0)
     if HAS_SOFTCAP:
-        th, dzdx = _tanh_sech2(x / softcap)
+        th, dzdx = _tanh_sech2(x * (1.0 / softcap))
         z = softcap * th
     else:
         z = x
