@@ -293,6 +293,7 @@ MAX_SPIN = 1 << 16
 #: first. Measured on the H200 (docs/gpu-runs/cross_entropy-run3.md, 8192 x 128256 bf16 fwd+bwd): one program
 #: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
 #: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
+#: The per-lane log-sum-exp (kinds "lane", "laneh") was 1.88-2.95 ms in every setting (cross_entropy-run5.md): none tried.
 WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
                          (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
                          (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
