@@ -340,34 +340,30 @@ def recompute_sweep() -> str:
     t = torch.randint(0, v, (n,), device=DEV, generator=g)
     h = torch.randn(n, hh, device=DEV, generator=g).to(BF16).requires_grad_()
     w = (torch.randn(v, hh, device=DEV, generator=g) / math.sqrt(hh)).to(BF16).requires_grad_()
-    keep = (R.FWD_SETTING, R.BWD_SETTING)
-    best_f = (math.inf, keep[0])
-    for c in RC_FWD:
-        R.FWD_SETTING = c
-        try:
-            with torch.no_grad():
-                f = lambda: mk.linear_cross_entropy(h, w, t, mode="recompute")  # noqa: E731
-                a, b = bench(f), bench(f)
-        except Exception as exc:  # noqa: BLE001 - a setting that does not compile: its row says so
-            a = b = math.nan
-            print(f"fwd {c}: {type(exc).__name__}: {str(exc)[:200]}")
-        out.append(f"| forward | {c} | {a:.2f} | {b:.2f} |")
-        if min(a, b) < best_f[0]:
-            best_f = (min(a, b), c)
-    R.FWD_SETTING = best_f[1]
-    best_b = (math.inf, keep[1])
-    for c in RC_BWD:
-        R.BWD_SETTING = c
-        try:
-            f = lambda: mk.linear_cross_entropy(h, w, t, mode="recompute").backward()  # noqa: E731
-            a, b = bench(f, grad_to_none=[h, w]), bench(f, grad_to_none=[h, w])
-        except Exception as exc:  # noqa: BLE001
-            a = b = math.nan
-            print(f"bwd {c}: {type(exc).__name__}: {str(exc)[:200]}")
-        out.append(f"| forward + backward | {c} | {a:.2f} | {b:.2f} |")
-        if min(a, b) < best_b[0]:
-            best_b = (min(a, b), c)
-    R.BWD_SETTING = best_b[1]
+
+    def pick(kind, attr, settings, fn, **kw):
+        """Time ``fn`` under each setting of ``R.<attr>`` (twice), add the rows, leave the fastest set."""
+        best = (math.inf, getattr(R, attr))
+        for c in settings:
+            setattr(R, attr, c)
+            try:
+                a, b = bench(fn, **kw), bench(fn, **kw)
+            except Exception as exc:  # noqa: BLE001 - a setting that does not compile: its row says so
+                a = b = math.nan
+                print(f"{kind} {c}: {type(exc).__name__}: {str(exc)[:200]}")
+            out.append(f"| {kind} | {c} | {a:.2f} | {b:.2f} |")
+            if min(a, b) < best[0]:
+                best = (min(a, b), c)
+        setattr(R, attr, best[1])
+        return best
+
+    def fwd_only():
+        with torch.no_grad():
+            mk.linear_cross_entropy(h, w, t, mode="recompute")
+
+    best_f = pick("forward", "FWD_SETTING", RC_FWD, fwd_only)
+    best_b = pick("forward + backward", "BWD_SETTING", RC_BWD,
+                  lambda: mk.linear_cross_entropy(h, w, t, mode="recompute").backward(), grad_to_none=[h, w])
     out += ["", f"best: forward {best_f[1]}, backward {best_b[1]}", ""]
     del h, w
     torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import mfuwatch.kernels as mk
 from mfuwatch.kernels.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
 from tests.helpers.kernel_checks import DEVICE, assert_close
+from tests.kernels import test_linear_cross_entropy as lce_tests
 from tests.kernels.test_cross_entropy import ref_loss
 
 R = importlib.import_module("mfuwatch.kernels._lce_recompute_triton")
@@ -26,45 +27,22 @@ def small_chunks(monkeypatch):
 
 
 def make(gen, dtype, n=37, h=24, v=41, bias=False):
-    x = torch.randn(n, h, generator=gen).to(dtype)
-    w = (torch.randn(v, h, generator=gen) / 3).to(dtype)
-    b = torch.randn(v, generator=gen).to(dtype) if bias else None
-    t = torch.randint(0, v, (n,), generator=gen)
-    t[1] = -100
+    """Inputs as the chunked mode's tests draw them, with more rows (several row tiles) and two ignored targets."""
+    x, w, b, t = lce_tests.make(gen, dtype, n=n, h=h, v=v, bias=bias)
     t[n // 2 + 1] = -100
     return x, w, b, t
 
 
-def run(x, w, b, t, reduction, gen, mode="recompute", **kw):
-    """Loss and gradients for a random upstream gradient, and the float64 reference's."""
-    leaves = [a.to(DEVICE).detach().requires_grad_() for a in (x, w)] + (
-        [b.to(DEVICE).detach().requires_grad_()] if b is not None else [])
-    loss = linear_cross_entropy(leaves[0], leaves[1], t.to(DEVICE), leaves[2] if b is not None else None,
-                                reduction=reduction, label_smoothing=kw.get("smoothing", 0.0),
-                                z_loss=kw.get("z_loss", 0.0), softcap=kw.get("softcap"), mode=mode)
-    up = torch.randn(loss.shape, generator=gen) if reduction == "none" else torch.tensor(0.6)
-    loss.backward(up.to(DEVICE))
-    ref = [a.detach().cpu().double().requires_grad_() for a in leaves]
-    logits = ref[0] @ ref[1].T + (ref[2] if b is not None else 0)
-    r = ref_loss(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction, **kw)
-    r = r.reshape(t.shape) if reduction == "none" else r
-    r.backward(up.double())
-    return loss, r, [(a.grad, c.grad) for a, c in zip(leaves, ref)]
+def run(*args, **kw):
+    return lce_tests.run(*args, mode="recompute", **kw)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opts", ["plain", "bias+softcap+smoothing+z"])
 def test_matches_float64_over_several_chunks(dtype, reduction, opts, gen, small_chunks):
-    bias = opts != "plain"
-    x, w, b, t = make(gen, dtype, h=32 if bias else 24, bias=bias)  # H a multiple of the tile (EVEN_K) and not
-    kw = dict(softcap=3.0, smoothing=0.1, z_loss=1e-3) if bias else {}
-    loss, r, grads = run(x, w, b, t, reduction, gen, **kw)
-    assert loss.dtype == torch.float32 and loss.shape == r.shape
-    assert_close(loss, r, dtype, "loss", scale=2.0)
-    for (g, gr), name in zip(grads, ("dhidden", "dweight", "dbias")):
-        assert g.dtype == dtype
-        assert_close(g, gr, dtype, name, scale=2.0)
+    bias = opts != "plain"  # H = 24 (not a multiple of the 16-wide tile) without a bias, 32 (EVEN_K) with one
+    lce_tests.check_float64(make(gen, dtype, h=32 if bias else 24, bias=bias), dtype, reduction, gen, "recompute")
 
 
 def test_3d_non_contiguous_hidden_and_int32_targets(gen, small_chunks):
