@@ -133,3 +133,53 @@ def test_patch_lm_head_mode_recompute_equals_the_unpatched_model(gen):
     assert torch.allclose(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
     for n, g in outs[0][1].items():
         assert torch.allclose(outs[1][1][n], g, rtol=1e-4, atol=1e-6), n
+
+
+COMPILE_SCRIPT = """
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mfuwatch.kernels import _lce_recompute_triton as R
+
+target = GPUTarget("cuda", 90, 32)
+n = 0
+for p, dt, f32 in (("*bf16", tl.bfloat16, False), ("*fp32", tl.bfloat16, False)):  # bf16, and fp32 under autocast
+    common = dict(Hp=p, Wp=p, Bp=p, T="*i64", N="i32", V="i32", K="i32", stride_h="i32", stride_w="i32")
+    flags = dict(HAS_BIAS=True, HAS_SOFTCAP=True, F32=f32, IEEE=f32, DT=dt)
+    BM, BN, BK, w, s = R.FWD_SETTING
+    sig = dict(common, PM="*fp32", PS="*fp32", PZ="*fp32", PT="*fp32", cols_per_split="i32", softcap="fp32")
+    for even in (True, False):
+        k = triton.compile(ASTSource(R._lse_fwd_kernel, sig, dict(flags, BM=BM, BN=BN, BK=BK, STAGES=s, EVEN_K=even)),
+                           target=target, options=dict(num_warps=w, num_stages=s))
+        assert "wgmma" in k.asm["ptx"], "forward: no wgmma"
+        n += 1
+    BM, BN, BK, w, s = R.BWD_SETTING
+    sig = dict(common, LSE="*fp32", COEF="*fp32", DH="*fp32", DW="*fp32", DB="*fp32", v0="i32", chunk="i32",
+               smoothing="fp32", z_loss="fp32", softcap="fp32")
+    for offset in (True, False):
+        k = triton.compile(ASTSource(R._grad_bwd_kernel, sig, dict(flags, NEED_DH=True, NEED_DW=True, NEED_DB=True,
+                                                                   DW_OFFSET=offset, BM=BM, BN=BN, BK=BK, STAGES=s,
+                                                                   EVEN_K=True)),
+                           target=target, options=dict(num_warps=w, num_stages=s))
+        assert "wgmma" in k.asm["ptx"], "backward: no wgmma"
+        n += 1
+print("compiled", n)
+"""
+
+
+@pytest.mark.slow
+def test_recompute_kernels_compile_for_sm90():
+    """Both kernels lower to sm_90 code with the default tiles (bf16 operands on wgmma), no GPU needed: the
+    interpreter never lowers them (see test_gpu_compile.py for the other kernels)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton.backends.compiler") is None:
+        pytest.skip("this triton has no AOT compile API (triton.backends.compiler)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
+    assert proc.stdout.strip().endswith("compiled 8"), proc.stdout
