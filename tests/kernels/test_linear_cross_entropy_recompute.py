@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mfuwatch.kernels as mk
 from mfuwatch.kernels.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
-from tests.helpers.kernel_checks import DEVICE, assert_close
+from tests.helpers.kernel_checks import DEVICE, assert_close, compile_in_subprocess
 from tests.kernels import test_linear_cross_entropy as lce_tests
 from tests.kernels.test_cross_entropy import ref_loss
 
@@ -172,14 +172,4 @@ print("compiled", n)
 def test_recompute_kernels_compile_for_sm90():
     """Both kernels lower to sm_90 code with the default tiles (bf16 operands on wgmma), no GPU needed: the
     interpreter never lowers them (see test_gpu_compile.py for the other kernels)."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    if importlib.util.find_spec("triton.backends.compiler") is None:
-        pytest.skip("this triton has no AOT compile API (triton.backends.compiler)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
-    assert proc.stdout.strip().endswith("compiled 8"), proc.stdout
+    compile_in_subprocess(COMPILE_SCRIPT, 8)
