@@ -440,7 +440,7 @@ def sweep() -> str:
     import importlib
 
     K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
-    C = importlib.import_module("mfuwatch.kernels._common")
+    C = importlib.import_module("mfuwatch.kernels._tuning")
     L = importlib.import_module("mfuwatch.kernels.linear_cross_entropy")
     real = K._candidates
     out = [f"device: {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}; torch {torch.__version__}"]
@@ -592,7 +592,7 @@ def main() -> int:
     print(rc_text, flush=True)
     time_ce(bw)
     time_lce()
-    from mfuwatch.kernels._common import tuned_settings
+    from mfuwatch.kernels._tuning import tuned_settings
 
     text = table(bw) + rc_text + "\n\nlaunch settings chosen (kernel, device, key) -> (BLOCK, num_warps): " + "; ".join(
         f"{k[0]} {k[2]} -> {v}" for k, v in tuned_settings().items() if k[0].startswith("ce_"))

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,21 +42,8 @@ from typing import Any, Dict, List, Optional
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NCCL_ENV)  # before anything initialises NCCL, and inherited by torchrun's children
 
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' port helper, as fault_injection
+from helpers.net import free_port_pair  # noqa: E402
 
 
 def scrape(port: int) -> Optional[List[tuple]]:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from helpers.receiver import AlertReceiver, Reply, free_port  # noqa: E402
+from helpers.net import free_port  # noqa: E402
+from helpers.receiver import AlertReceiver, Reply  # noqa: E402
 
 from mfuwatch.agent.schema import GpuHealth, RunInfo  # noqa: E402
 from mfuwatch.alerts import AlertEngine  # noqa: E402

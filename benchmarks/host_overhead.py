@@ -108,7 +108,7 @@ def part1():
 
     pargs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
-    def direct_ptr():  # the same, tensors passed as data pointers (as _common.Launcher does)
+    def direct_ptr():  # the same, tensors passed as data pointers (as _launch.Launcher does)
         ck.run(rows, 1, 1, torch._C._cuda_getCurrentRawStream(0), ck.function, ck.packed_metadata, None, None,
                None, *pargs, *consts)
 
@@ -269,7 +269,7 @@ def part4():
     """Every backward launch setting at three shapes: GPU time of the row kernel plus the partial-sum kernel."""
     from triton.testing import do_bench
 
-    from mfuwatch.kernels._common import pow2_at_least, sm_count
+    from mfuwatch.kernels._launch import pow2_at_least, sm_count
     say("## Backward settings (rms_norm, bf16): do_bench median µs of the two backward launches")
     say("")
     say("| shape | (programs/SM, warps, rows per step, maxnreg) | µs | % of copy |")

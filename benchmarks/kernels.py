@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mfuwatch.kernels as mk  # noqa: E402
-from mfuwatch.kernels import _common  # noqa: E402
+from mfuwatch.kernels import _tuning  # noqa: E402
 from mfuwatch.kernels.traffic import minimal_bytes  # noqa: E402
 
 DEV = "cpu" if ARGS.smoke else "cuda"
@@ -465,7 +465,7 @@ def main() -> int:
             lines.append(f"- {tag} (small): {ours / nat:.2f}× the native fused op (goal ≤ 1.5×): "
                          f"{'met' if ours <= 1.5 * nat else 'MISSED'}")
     lines += ["", "Launch settings chosen by the autotuner (kernel, device, shape key) → setting:", "", "```"]
-    lines += [f"{k} -> {v}" for k, v in _common.tuned_settings().items()] + ["```", "",
+    lines += [f"{k} -> {v}" for k, v in _tuning.tuned_settings().items()] + ["```", "",
                                                                            f"wall time {time.time() - t_start:.0f} s"]
     text = "\n".join(lines)
     print("\n" + text)
@@ -476,7 +476,7 @@ def main() -> int:
             f.write(text + "\n")
         with open(os.path.join(out, "kernels.json"), "w") as f:
             json.dump({"device": dev_name, "copy_bandwidth_bytes_per_second": bw, "failures": failures,
-                       "results": results, "tuned": {str(k): str(v) for k, v in _common.tuned_settings().items()}},
+                       "results": results, "tuned": {str(k): str(v) for k, v in _tuning.tuned_settings().items()}},
                       f, indent=1)
     return 1 if failures else 0
 

@@ -134,10 +134,10 @@ def bench(fn, leaves):
 
 def device_ms(fn, leaves):
     """GPU milliseconds per call with the host's launch gaps taken out (calls queued behind a GPU wait, then
-    back to back: mfuwatch.kernels._common.gpu_ms), gradients reset to None before each call."""
+    back to back: mfuwatch.kernels._tuning.gpu_ms), gradients reset to None before each call."""
     if DEV == "cpu":
         return float("nan")
-    from mfuwatch.kernels._common import gpu_ms
+    from mfuwatch.kernels._tuning import gpu_ms
 
     def call():
         for t in leaves:
@@ -269,7 +269,7 @@ def main() -> int:
                      f"{dv / floor_ms:.2f} | {hosts.get(name, float('nan')):.3f} |")
     lines += ["", "do_bench: triton.testing.do_bench (L2 cleared before each call, host enqueue time included when "
               "the GPU finishes first); device: calls queued behind a GPU wait and run back to back "
-              "(kernels._common.gpu_ms), as in a training step where the host runs ahead; host: time to enqueue "
+              "(kernels._tuning.gpu_ms), as in a training step where the host runs ahead; host: time to enqueue "
               "one forward + backward."]
     if "mfuwatch" in result and DEV == "cuda":
         x = result["mfuwatch"]["device_x_floor"]

@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, Launcher, as_rows, cdiv, device_guard, pow2_at_least, row_bucket, sm_count, tuned,
-                      use_triton)
+from ._env import INTERPRET
+from ._launch import Launcher, as_rows, cdiv, device_guard, pow2_at_least, sm_count, use_triton
+from ._tuning import row_bucket, tuned
 
 
 @triton.jit
@@ -448,7 +449,7 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
 def _best(kernel: str, x: torch.Tensor, V: int, *flags):
     """The setting chosen earlier by a non-aliasing launch of ``kernel`` for this dtype, flags and V, else the
     default: an in-place launch cannot be timed (each timing run would read the previous one's output)."""
-    from ._common import tuned_settings
+    from ._tuning import tuned_settings
 
     n = len(flags)
     for (k, dev, key), v in tuned_settings().items():

@@ -2,43 +2,17 @@
 
 ``FlopCounterMode`` (which the mfuwatch agent uses to count a model's FLOPs)
 only knows the formulas registered for an op; an op without one counts as
-zero. The fused ops register the counts below, per element of the input
-(``rows x N``; for the GLUs, per element of ``gate``).
+zero. The fused ops register their counts, per element of the input
+(``rows x N``; for the GLUs, per element of ``gate``; for rotary, per rotated element).
 
 Convention (ours, stated so that the numbers can be checked by hand): every
 add, subtract, multiply, divide and every special function (exp, erf, tanh,
 rsqrt) is one FLOP; a sum over a row costs one add per element; per-row
 scalars (the rsqrt of the variance, the means) and anything done once per
-column (``w + offset``) are left out. Norms::
-
-    rms_norm fwd:    s^2, sum, *rstd, *w                            4 (3 without weight)
-    rms_norm bwd:    xhat=s*rstd, g=dy*w, sum(g*xhat) (2),
-                     (g - xhat*c)*rstd (3), dw += dy*xhat (2)       9 (6 without weight)
-    add_rms_norm:    as rms_norm, plus the residual add             5 fwd; bwd 9, +1 with d(new residual)
-    layer_norm fwd:  sum, s-mu, (.)^2 and sum (2), *rstd, *w, +b    7 (6 without bias, 5 without both)
-    layer_norm bwd:  xhat (2), g=dy*w, sum(g), sum(g*xhat) (2),
-                     (g - c2 - xhat*c1)*rstd (4), dw (2), db (1)    13 (12 without bias, 9 without both)
-
-GLUs (``g`` = gate, ``u`` = up)::
-
-    swiglu fwd:      sigmoid (exp, add, divide: 3), *g, *u          5
-    swiglu bwd:      sigmoid (3), a=g*s, s*(1+g*(1-s)) (4),
-                     dy*a, dy*u*da (2)                              11
-    geglu fwd:       Phi = 0.5*(1+erf(g/sqrt2)) (4), *g, *u         6
-    geglu bwd:       Phi (4), a, density g*exp(-g^2/2)/sqrt(2pi) (5),
-                     +Phi, dy*a, dy*u*da (2)                        14
-    geglu tanh fwd:  g^3 (2), *0.044715, +g, *sqrt(2/pi), tanh,
-                     1+t, *0.5, *g, *u                              10
-    geglu tanh bwd:  t as above (6), a=0.5*g*(1+t) (3), da (11),
-                     dy*a, dy*u*da (2)                              23
-
-Cross-entropy, per logit (``rows x V``)::
-
-    cross_entropy fwd:   x - max, exp, running sum, running max    4
-                         softcap c*tanh(x/c): divide, tanh, mul    +3
-    cross_entropy bwd:   z - lse, exp, *(1 + 2 zl lse), -eps/V,
-                         *upstream gradient                        5
-                         softcap: z again (3), 1 - (z/c)^2 (2), *  +6
+column (``w + offset``) are left out. Each op declares its counts per element,
+with their derivation, in its module's ``FACTS`` (``flops``, :mod:`._facts`), and
+its formulas (registered here with :func:`register`) multiply them by the
+element count; e.g. ``rms_norm`` forward: s^2, sum, *rstd, *w = 4 per element.
 
 Linear + cross-entropy (``hidden`` (N, H), ``weight`` (V, H)): the three GEMMs count ``2 N H V`` each
 (logits, dhidden, dweight), plus the cross-entropy FLOPs of the ``N x V`` logits and ``N x V`` for the
@@ -56,16 +30,6 @@ from __future__ import annotations
 
 import math
 from typing import Callable
-
-RMS_FWD, RMS_FWD_NO_W = 4, 3
-RMS_BWD, RMS_BWD_NO_W = 9, 6
-ADD_FWD_EXTRA, ADD_BWD_DRES_EXTRA = 1, 1
-LN_FWD = {(True, True): 7, (True, False): 6, (False, False): 5, (False, True): 6}  # (has weight, has bias)
-LN_BWD = {(True, True): 13, (True, False): 12, (False, False): 9, (False, True): 10}
-GLU_FWD = {"silu": 5, "gelu": 6, "gelu_tanh": 10}
-GLU_BWD = {"silu": 11, "gelu": 14, "gelu_tanh": 23}
-CE_FWD, CE_SOFTCAP_FWD = 4, 3
-CE_BWD, CE_SOFTCAP_BWD = 5, 6
 
 
 def numel(shape) -> int:

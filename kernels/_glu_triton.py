@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, as_rows, cdiv, device_guard, row_bucket, tuned, use_triton
+from ._launch import Launcher, as_rows, cdiv, device_guard, use_triton
+from ._tuning import row_bucket, tuned
 
 #: Activation codes (constexpr in the kernels).
 SILU, GELU, GELU_TANH = 0, 1, 2

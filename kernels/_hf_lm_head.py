@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._patch_types import Left, PatchReport, Swapped
 from .linear_cross_entropy import linear_cross_entropy
 
 #: ``config.model_type`` values whose causal-LM forward is ``lm_head`` (+ Gemma's softcap) + ``ForCausalLMLoss``.
@@ -107,12 +108,18 @@ def _causal_lms(model: nn.Module):
             yield name, m
 
 
-def patch_lm_heads(model: nn.Module, report: Any, mode: str = "chunked") -> None:
-    """Wire every recognised causal LM in ``model`` (the model itself or a submodule); record in ``report``
-    (a :class:`mfuwatch.kernels.patching.PatchReport`) what was swapped or left, and why. ``mode``: the
-    :func:`~mfuwatch.kernels.linear_cross_entropy` mode the loss runs in ("chunked" or "recompute")."""
-    from .patching import Left, Swapped
+def patch_model(model: nn.Module, wanted, verify: bool, report: PatchReport, *,
+                lm_head_mode: str = "chunked", **_options) -> None:
+    """The ``cross_entropy`` patch rule (:mod:`._patch_types`): :func:`patch_lm_heads` when requested, the loss
+    in ``lm_head_mode`` (:func:`~mfuwatch.kernels.patch`'s keyword of that name)."""
+    if KERNEL in wanted:
+        patch_lm_heads(model, report, lm_head_mode)
 
+
+def patch_lm_heads(model: nn.Module, report: PatchReport, mode: str = "chunked") -> None:
+    """Wire every recognised causal LM in ``model`` (the model itself or a submodule); record in ``report``
+    what was swapped or left, and why. ``mode``: the :func:`~mfuwatch.kernels.linear_cross_entropy` mode the
+    loss runs in ("chunked" or "recompute")."""
     found = False
     for name, m in _causal_lms(model):
         found = True
@@ -207,6 +214,11 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     total = linear_cross_entropy(h, weight, target, bias, ignore_index=ii, reduction="sum", softcap=softcap,
                                  mode=mode)
     return total / (n.to(total.device) if torch.is_tensor(n) else n)
+
+
+def unpatch_model(model: nn.Module) -> int:
+    """The ``cross_entropy`` unpatch rule: :func:`unpatch_lm_heads`."""
+    return unpatch_lm_heads(model)
 
 
 def unpatch_lm_heads(model: nn.Module) -> int:

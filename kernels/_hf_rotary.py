@@ -16,12 +16,13 @@ from __future__ import annotations
 import inspect
 import sys
 import types
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ._common import compile_decomposes
+from ._dispatch import compile_decomposes
+from ._patch_types import Left, PatchReport, Swapped, device_reason, not_requested, tolerance
 from .rotary import apply_rotary
 
 GLOBAL = "apply_rotary_pos_emb"
@@ -197,8 +198,25 @@ def wire(name: str, m: nn.Module, verify: bool, tol: Callable[[torch.dtype], flo
     return None
 
 
-def unwire(model: nn.Module) -> int:
-    """Give every attention module :func:`wire` changed its class's ``forward`` back; return how many."""
+def patch_model(model: nn.Module, wanted: Sequence[str], verify: bool, report: PatchReport, **_options) -> None:
+    """The ``rotary`` patch rule (:mod:`._patch_types`): wire every candidate attention module of ``model``
+    when ``"rotary"`` is in ``wanted``, and record in ``report`` what was wired or left, and why (none of
+    :func:`~.patching.patch`'s rule options concerns it)."""
+    for name, m in candidates(model):
+        if "rotary" not in wanted:
+            report.left.append(Left(name, type(m).__name__, "rotary", not_requested(wanted)))
+            continue
+        reason = wire(name, m, verify, tolerance, device_reason)
+        if reason is None:
+            report.swapped.append(Swapped(name, f"{type(m).__name__}.forward: {GLOBAL}",
+                                          "mfuwatch.kernels.apply_rotary", "rotary"))
+        else:
+            report.left.append(Left(name, type(m).__name__, "rotary", reason))
+
+
+def unpatch_model(model: nn.Module) -> int:
+    """The ``rotary`` unpatch rule: give every attention module :func:`wire` changed its class's ``forward``
+    back; return how many."""
     n = 0
     for m in model.modules():
         if m.__dict__.pop(_MARK, False):

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, device_guard, sm_count
+from ._env import INTERPRET
+from ._launch import cdiv, device_guard, sm_count
 from ._cross_entropy_triton import _tanh, _tanh_sech2
 
 #: Rows of dW accumulated in fp32 per backward launch when the weight is not fp32 (fp32 (VOCAB_CHUNK, H)

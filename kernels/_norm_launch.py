@@ -1,8 +1,8 @@
 """Launchers of the row-norm kernels (:mod:`._norm_triton`): views, outputs, launch settings, CPU fallback.
 
 :func:`norm_fwd` and :func:`norm_bwd` serve RMSNorm, LayerNorm and the residual
-add + RMSNorm. They view inputs as ``(rows, N)`` (:func:`._common.as_rows`),
-allocate the outputs, pick a launch setting (:func:`._common.tuned`; the
+add + RMSNorm. They view inputs as ``(rows, N)`` (:func:`._launch.as_rows`),
+allocate the outputs, pick a launch setting (:func:`._tuning.tuned`; the
 candidate lists below), launch on the tensors' device, and reduce the fp32
 weight/bias partial sums. CPU tensors without the Triton interpreter take
 :func:`_torch_fwd`/:func:`_torch_bwd`, the same math in PyTorch.
@@ -15,8 +15,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._common import (MIN_TUNE_ELEMENTS, Launcher, as_rows, cdiv, kernel_rows, needs_device_switch, pow2_at_least,
-                      row_bucket, sm_count, tuned, use_triton)
+from ._launch import Launcher, as_rows, cdiv, kernel_rows, needs_device_switch, pow2_at_least, sm_count, use_triton
+from ._tuning import MIN_TUNE_ELEMENTS, row_bucket, tuned
 from ._norm_triton import _norm_bwd_fused, _norm_bwd_looped, _norm_fwd_fused, _norm_fwd_looped, _sum_partials
 
 _FWD = Launcher(_norm_fwd_fused)

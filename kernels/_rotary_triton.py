@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, Launcher, cdiv, device_guard, pow2_at_least, use_triton
+from ._env import INTERPRET
+from ._launch import Launcher, cdiv, device_guard, pow2_at_least, use_triton
 
 #: Elements of one half-tile (tokens x heads x pairs) per step of a program; larger under the interpreter,
 #: whose time goes by the number of programs and steps, not by their size.

@@ -25,8 +25,9 @@ from torch import Tensor
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import (check_rms_inputs, compile_decomposes, empty_width_norm, first_order_only, needs_grad,
-                      resolve_casting, use_custom_op)
+from ._facts import Bytes, KernelFacts
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._norm_common import check_rms_inputs, empty_width_norm, resolve_casting
 
 
 def _width(x: Tensor, n_dims: int) -> int:
@@ -121,16 +122,30 @@ def _backward(ctx, dy, dres, _drstd):
 _add_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------- what this kernel declares (kernels/_facts.py)
+
+FACTS = KernelFacts(
+    name="add_rms_norm",
+    # bytes (E = rows x N, H = N): forward reads x, residual, w and writes y, the new residual: 4*E*b + H*wb;
+    # backward reads s, dy, d(new residual), w and writes d(sum), dw: 4*E*b + 2*H*wb
+    forward=Bytes(activations=4, weights=1), backward=Bytes(activations=4, weights=2),
+    # FLOPs per element of x: as rms_norm plus the residual add (5; 4 without weight); backward as rms_norm
+    # (9; 6 without weight), plus one add when the new residual has a gradient too
+    flops={"forward": 5, "forward_no_weight": 4, "backward": 9, "backward_no_weight": 6,
+           "backward_dres": 10, "backward_dres_no_weight": 7},
+    exports=("add_rms_norm", "AddRMSNormFunction"),
+    patch_note="add_rms_norm has no module pattern (the residual add is in the decoder layer's forward): call "
+               "mfuwatch.kernels.add_rms_norm(x, residual, weight) in model code",
+)
+
+
 def _fwd_flops(x_shape, r_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    per = (_flops.RMS_FWD if w_shape is not None else _flops.RMS_FWD_NO_W) + _flops.ADD_FWD_EXTRA
-    return _flops.numel(x_shape) * per
+    return _flops.numel(x_shape) * FACTS.flops["forward" if w_shape is not None else "forward_no_weight"]
 
 
 def _bwd_flops(dy_shape, dres_shape, s_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    per = _flops.RMS_BWD if w_shape is not None else _flops.RMS_BWD_NO_W
-    if dres_shape is not None:
-        per += _flops.ADD_BWD_DRES_EXTRA
-    return _flops.numel(s_shape) * per
+    case = "backward" + ("_dres" if dres_shape is not None else "") + ("" if w_shape is not None else "_no_weight")
+    return _flops.numel(s_shape) * FACTS.flops[case]
 
 
 _flops.register(torch.ops.mfuwatch.add_rms_norm, _fwd_flops)

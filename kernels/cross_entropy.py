@@ -22,7 +22,7 @@ when the gradient is formed while the row is still in cache). Paths:
 * **torch.compile**: the reference math in PyTorch ops (:func:`reference_cross_entropy`), which Inductor
   fuses itself (as fast as a hand kernel, and it can fuse the surrounding ops too).
 * **Dispatch modes (FlopCounterMode, FakeTensorMode) and tensor subclasses**: the custom ops, whose
-  FLOPs are registered in :mod:`._flops`.
+  FLOPs are registered in :mod:`._flops` (the counts per logit: :data:`FACTS`).
 
 The gradient is never written into a tensor autograd can see: the logits may feed another loss.
 """
@@ -40,7 +40,9 @@ from torch import Tensor, nn
 
 from . import _cross_entropy_triton as K
 from . import _flops
-from ._common import first_order_only, needs_grad, use_custom_op, use_triton
+from ._facts import Bytes, KernelFacts, Remedy, Step, aten, patch_line
+from ._dispatch import first_order_only, needs_grad, use_custom_op
+from ._launch import use_triton
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -141,14 +143,53 @@ def _backward(ctx, grad_rows, _dlse):
 _ce_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------- what this kernel declares (kernels/_facts.py)
+
+FACTS = KernelFacts(
+    name="cross_entropy",
+    # bytes (E = tokens x V logits): forward reads the logits: E*b; backward reads the logits and writes
+    # dlogits: 2*E*b (the per-row loss and log-sum-exp, 4 bytes each, left out). Also the count for the chunked
+    # LM head + loss (linear_cross_entropy): its logits chunks are formed by the GEMM and read back while hot
+    forward=Bytes(activations=1), backward=Bytes(activations=2),
+    # FLOPs per logit: forward x - max, exp, running sum, running max: 4, softcap c*tanh(x/c) (divide, tanh,
+    # mul) +3; backward z - lse, exp, *(1 + 2 zl lse), -eps/V, *upstream gradient: 5, softcap: z again (3),
+    # 1 - (z/c)^2 (2), * : +6
+    flops={"forward": 4, "backward": 5, "forward_softcap": 7, "backward_softcap": 11},
+    remedy=Remedy(
+        kernel="cross_entropy", kind="bundled",
+        title="Fused cross-entropy (Triton drop-in): a Hugging Face causal LM's head + loss in chunks without "
+              "the full logits (linear_cross_entropy); elsewhere mfuwatch.kernels.cross_entropy(logits, targets)",
+        apply=patch_line("cross_entropy"),
+        replaces="[logits.float()] → log_softmax → nll_loss, or cross_entropy_loss",
+        sequence=(Step(aten("to", "_to_copy"), optional=True),
+                  Step(aten("cross_entropy_loss", "log_softmax", "_log_softmax")),
+                  Step(aten("nll_loss", "nll_loss_nd"), optional=True)),
+        anchor_arg=0,
+        note="bytes from mfuwatch.kernels.traffic: forward reads the logits, backward reads them again and "
+             "writes dlogits (the fused forward forms the gradient while the row is in cache). For model code "
+             "outside the recognised families: loss = mfuwatch.kernels.cross_entropy(logits, targets), or "
+             "mfuwatch.kernels.linear_cross_entropy(hidden, lm_head.weight, targets) to skip the logits; "
+             "under torch.compile, compiling F.cross_entropy fuses the same ops",
+    ),
+    exports=("cross_entropy", "CrossEntropyLoss"),
+    exports_from={".linear_cross_entropy": ("linear_cross_entropy", "LinearCrossEntropyLoss")},
+    patch="._hf_lm_head",
+)
+
+
+def ce_flops(direction: str, softcap: float) -> int:
+    """FLOPs per logit of the ``"forward"`` or ``"backward"`` pass (:data:`FACTS`), with a softcap when > 0."""
+    return FACTS.flops[direction + ("_softcap" if softcap > 0 else "")]
+
+
 def _fwd_flops(x, t, *args, out_shape=None, **kw):
     softcap = args[3] if len(args) > 3 else 0.0
-    return _flops.numel(x) * (_flops.CE_FWD + (_flops.CE_SOFTCAP_FWD if softcap > 0 else 0))
+    return _flops.numel(x) * ce_flops("forward", softcap)
 
 
 def _bwd_flops(g, x, t, lse, *args, out_shape=None, **kw):
     softcap = args[3] if len(args) > 3 else 0.0
-    return _flops.numel(x) * (_flops.CE_BWD + (_flops.CE_SOFTCAP_BWD if softcap > 0 else 0))
+    return _flops.numel(x) * ce_flops("backward", softcap)
 
 
 _flops.register(torch.ops.mfuwatch.cross_entropy, _fwd_flops)

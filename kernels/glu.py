@@ -10,14 +10,16 @@ the ``torch.ops.mfuwatch.swiglu``/``geglu`` custom ops under ``torch.compile``
 and dispatch modes) as in :mod:`.rms_norm`.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import _flops
 from . import _glu_triton as K
-from ._common import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._facts import Bytes, KernelFacts, Remedy, Step, aten, patch_line
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._patch_types import Candidate
 
 _APPROX = {"none": "gelu", "tanh": "gelu_tanh"}
 
@@ -90,14 +92,65 @@ def _geglu_backward(ctx, dy):
 _swiglu_op.register_autograd(_swiglu_backward, setup_context=_setup_context)
 _geglu_op.register_autograd(_geglu_backward, setup_context=_setup_context)
 
+# ---------------------------------------------------------------- what these kernels declare (kernels/_facts.py)
+
+FACTS = (
+    KernelFacts(
+        name="swiglu",
+        # bytes (E = rows x the intermediate size): forward reads gate, up and writes y: 3*E*b; backward reads
+        # gate, up, dy and writes dgate, dup: 5*E*b
+        forward=Bytes(activations=3), backward=Bytes(activations=5),
+        # FLOPs per element of gate: forward sigmoid (exp, add, divide: 3), *g, *u: 5; backward sigmoid (3),
+        # a = g*s, s*(1 + g*(1 - s)) (4), dy*a, dy*u*da (2): 11
+        flops={"forward": 5, "backward": 11},
+        remedy=Remedy(
+            kernel="swiglu", kind="bundled",
+            title="Fused SwiGLU (Triton drop-in): silu(gate) * up in one kernel",
+            apply=patch_line("swiglu"),
+            replaces="silu → [up projection] → mul",
+            sequence=(Step(aten("silu")), Step(aten("mul"), gap=2)), anchor_arg=0,
+            note="bytes from mfuwatch.kernels.traffic: forward reads gate and up, writes h; backward reads dh, "
+                 "gate, up and writes dgate, dup",
+        ),
+        exports=("swiglu", "SwiGLUMLP", "GLUFunction"),
+        patch=".glu",
+    ),
+    KernelFacts(
+        name="geglu",
+        forward=Bytes(activations=3), backward=Bytes(activations=5),  # as swiglu
+        # FLOPs per element of gate, exact GELU: forward Phi = 0.5*(1 + erf(g/sqrt2)) (4), *g, *u: 6; backward
+        # Phi (4), a, the density g*exp(-g^2/2)/sqrt(2pi) (5), +Phi, dy*a, dy*u*da (2): 14. Tanh GELU: forward
+        # g^3 (2), *0.044715, +g, *sqrt(2/pi), tanh, 1 + t, *0.5, *g, *u: 10; backward t as above (6),
+        # a = 0.5*g*(1 + t) (3), da (11), dy*a, dy*u*da (2): 23
+        flops={"forward": 6, "backward": 14, "forward_tanh": 10, "backward_tanh": 23},
+        remedy=Remedy(
+            kernel="geglu", kind="bundled",
+            title="Fused GEGLU (Triton drop-in): gelu(gate) * up in one kernel",
+            apply=patch_line("geglu"),
+            replaces="gelu → [up projection] → mul",
+            sequence=(Step(aten("gelu")), Step(aten("mul"), gap=2)), anchor_arg=0,
+        ),
+        exports=("geglu", "GeGLUMLP"),
+        patch=".glu",
+    ),
+)
+_SWIGLU, _GEGLU = FACTS
+_GELU_CASE = {"none": "", "tanh": "_tanh"}
+
+
+def _geglu_flops(direction: str, approximate: str) -> int:
+    _gelu_kind(approximate)  # a ValueError for an unknown approximation
+    return _GEGLU.flops[direction + _GELU_CASE[approximate]]
+
+
 _flops.register(torch.ops.mfuwatch.swiglu,
-                lambda g, u, out_shape=None, **kw: _flops.numel(g) * _flops.GLU_FWD["silu"])
+                lambda g, u, out_shape=None, **kw: _flops.numel(g) * _SWIGLU.flops["forward"])
 _flops.register(torch.ops.mfuwatch.swiglu_backward,
-                lambda dy, g, u, out_shape=None, **kw: _flops.numel(g) * _flops.GLU_BWD["silu"])
+                lambda dy, g, u, out_shape=None, **kw: _flops.numel(g) * _SWIGLU.flops["backward"])
 _flops.register(torch.ops.mfuwatch.geglu,
-                lambda g, u, a, out_shape=None, **kw: _flops.numel(g) * _flops.GLU_FWD[_gelu_kind(a)])
+                lambda g, u, a, out_shape=None, **kw: _flops.numel(g) * _geglu_flops("forward", a))
 _flops.register(torch.ops.mfuwatch.geglu_backward,
-                lambda dy, g, u, a, out_shape=None, **kw: _flops.numel(g) * _flops.GLU_BWD[_gelu_kind(a)])
+                lambda dy, g, u, a, out_shape=None, **kw: _flops.numel(g) * _geglu_flops("backward", a))
 
 
 # ---------------------------------------------------------------- eager fast path
@@ -218,3 +271,60 @@ class GeGLUMLP(_GatedMLP):
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+# ---------------------------------------------------------------- patch rule (kernels/_patch_types.py)
+
+#: Kernel label of a gated MLP that neither GLU kernel can take (an activation other than SiLU or GELU): it is
+#: reported as left whenever either GLU kernel is requested.
+ANY_GLU = "swiglu or geglu"
+_ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
+_GELU_TANH_NAMES = ("PytorchGELUTanh", "GELUTanh", "NewGELUActivation", "GELUPytorchTanh", "GeluTanh")
+
+
+def _glu_of(act) -> Tuple[str, Optional[str], str]:
+    """(kernel, GELU approximation or None, "") for an activation a GLU kernel computes, else (ANY_GLU, None,
+    reason). ``act`` is a module (``nn.SiLU``, ``nn.GELU``, Hugging Face's activation classes) or a function
+    (``torch.nn.functional.silu`` / ``gelu``)."""
+    import torch.nn.functional as F
+
+    if act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU", "Swish"):
+        return "swiglu", None, ""
+    if act is F.gelu:
+        return "geglu", "none", ""
+    if isinstance(act, nn.GELU):
+        return "geglu", getattr(act, "approximate", "none"), ""
+    name = type(act).__name__
+    if name in _GELU_TANH_NAMES:
+        return "geglu", "tanh", ""
+    if name == "GELUActivation":
+        return "geglu", "none", ""
+    label = getattr(act, "__name__", None) if callable(act) and not isinstance(act, nn.Module) else None
+    return ANY_GLU, None, f"activation {label or name} has no fused kernel"
+
+
+def swap_candidate(m: nn.Module) -> Optional[Candidate]:
+    """A gated MLP: ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` children and a SiLU (``swiglu``) or
+    GELU (``geglu``, exact or tanh) activation attribute; None for other modules.
+
+    The activation decides the kernel; an activation without one is the reason reported, before any
+    other (e.g. a dropout submodule), so that the report names the real blocker.
+    """
+    if not all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    both = ("swiglu", "geglu")
+    act = next((getattr(m, a) for a in _ACT_ATTRS if getattr(m, a, None) is not None), None)
+    if act is None:
+        return Candidate(ANY_GLU, None, f"no activation attribute among {_ACT_ATTRS}", requested_by=both)
+    kind, approx, reason = _glu_of(act)
+    if reason:
+        return Candidate(kind, None, reason, requested_by=both if kind == ANY_GLU else ())
+    g, u, d = m.gate_proj, m.up_proj, m.down_proj
+    act_attr = next(a for a in _ACT_ATTRS if getattr(m, a, None) is act)
+    extra = [n for n, _c in m.named_children() if n not in ("gate_proj", "up_proj", "down_proj", act_attr)]
+    if extra:  # e.g. a dropout: identity in eval mode, so the probe would pass, and lost after .train()
+        return Candidate(kind, None, f"it has submodules the fused MLP would drop: {', '.join(extra)}")
+    shape = (4, g.in_features)
+    if kind == "swiglu":
+        return Candidate("swiglu", [lambda: SwiGLUMLP.from_linears(g, u, d)], probe_shape=shape)
+    return Candidate("geglu", [lambda: GeGLUMLP.from_linears(g, u, d, approximate=approx)], probe_shape=shape)

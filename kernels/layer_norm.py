@@ -18,7 +18,10 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import compile_decomposes, empty_width_norm, first_order_only, needs_grad, use_custom_op
+from ._facts import Bytes, KernelFacts, Remedy, Step, aten, patch_line
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._norm_common import empty_width_norm
+from ._patch_types import Candidate
 
 
 def _numel(x: Tensor, n_dims: int) -> int:
@@ -79,12 +82,40 @@ def _backward(ctx, dy, _dmean, _drstd):
 _layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------- what this kernel declares (kernels/_facts.py)
+
+FACTS = KernelFacts(
+    name="layer_norm",
+    # bytes (E = rows x N, H = N): forward reads x, w, b and writes y: 2*E*b + 2*H*wb; backward reads x, dy,
+    # w, b and writes dx, dw, db: 3*E*b + 4*H*wb
+    forward=Bytes(activations=2, weights=2), backward=Bytes(activations=3, weights=4),
+    # FLOPs per element of x: forward sum, s-mu, (.)^2 and sum (2), *rstd, *w, +b: 7 (6 without bias or without
+    # weight, 5 without both); backward xhat (2), g = dy*w, sum(g), sum(g*xhat) (2), (g - c2 - xhat*c1)*rstd (4),
+    # dw (2), db (1): 13 (12 without bias, 10 without weight, 9 without both)
+    flops={"forward": 7, "forward_no_bias": 6, "forward_no_weight": 6, "forward_no_weight_no_bias": 5,
+           "backward": 13, "backward_no_bias": 12, "backward_no_weight": 10, "backward_no_weight_no_bias": 9},
+    remedy=Remedy(
+        kernel="layer_norm", kind="bundled",
+        title="Fused LayerNorm (Triton drop-in) for aten::native_layer_norm",
+        apply=patch_line("layer_norm"),
+        replaces="layer_norm / native_layer_norm",
+        sequence=(Step(aten("layer_norm", "native_layer_norm")),), anchor_arg=0,
+    ),
+    exports=("layer_norm", "LayerNorm", "LayerNormFunction"),
+    patch=".layer_norm",
+)
+
+
+def _case(direction: str, w_shape, b_shape) -> str:
+    return direction + ("" if w_shape is not None else "_no_weight") + ("" if b_shape is not None else "_no_bias")
+
+
 def _fwd_flops(x_shape, w_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    return _flops.numel(x_shape) * _flops.LN_FWD[(w_shape is not None, b_shape is not None)]
+    return _flops.numel(x_shape) * FACTS.flops[_case("forward", w_shape, b_shape)]
 
 
 def _bwd_flops(dy_shape, x_shape, w_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    return _flops.numel(x_shape) * _flops.LN_BWD[(w_shape is not None, b_shape is not None)]
+    return _flops.numel(x_shape) * FACTS.flops[_case("backward", w_shape, b_shape)]
 
 
 _flops.register(torch.ops.mfuwatch.layer_norm, _fwd_flops)
@@ -187,3 +218,20 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+# ---------------------------------------------------------------- patch rule (kernels/_patch_types.py)
+
+def swap_candidate(m: nn.Module) -> Optional[Candidate]:
+    """``torch.nn.LayerNorm`` (and subclasses): a :class:`LayerNorm` sharing its parameters; None otherwise."""
+    if not isinstance(m, nn.LayerNorm):
+        return None
+
+    def build():
+        new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, bias=m.bias is not None, device="meta")
+        if m.weight is not None:
+            new.weight = m.weight
+        if m.bias is not None:
+            new.bias = m.bias
+        return new
+    return Candidate("layer_norm", [build], probe_shape=(4, *m.normalized_shape))

@@ -42,8 +42,9 @@ from torch import Tensor, nn
 
 from . import _cross_entropy_triton as K
 from . import _flops
-from ._common import first_order_only, needs_grad, use_custom_op, use_triton
-from .cross_entropy import check_options, reduce_rows
+from ._dispatch import first_order_only, needs_grad, use_custom_op
+from ._launch import use_triton
+from .cross_entropy import ce_flops, check_options, reduce_rows
 
 #: Values of ``mode``: "chunked" (the default: row chunks of logits formed by cuBLAS GEMMs, the gradient
 #: written over them, then the dhidden/dweight GEMMs) and "recompute" (no logits tile ever in device memory:
@@ -413,9 +414,9 @@ _lce_op.register_autograd(_backward, setup_context=_setup_context)
 def _fwd_flops(h, w, t, b, ii, eps, zl, cap, dtype, mean, grads, fused, mode="chunked", out_shape=None, **kw):
     n, v = _flops.numel(h[:-1]), w[0]
     gemm = 2 * n * h[-1] * v
-    total = gemm + n * v * (_flops.CE_FWD + (_flops.CE_SOFTCAP_FWD if cap > 0 else 0))
+    total = gemm + n * v * ce_flops("forward", cap)
     if fused and any(grads):
-        total += n * v * (_flops.CE_BWD + (_flops.CE_SOFTCAP_BWD if cap > 0 else 0))
+        total += n * v * ce_flops("backward", cap)
         total += gemm * (int(bool(grads[0])) + int(bool(grads[1]))) + (n * v if grads[2] else 0)
     return total
 
@@ -423,7 +424,7 @@ def _fwd_flops(h, w, t, b, ii, eps, zl, cap, dtype, mean, grads, fused, mode="ch
 def _bwd_flops(g, h, w, t, b, lse, ii, eps, zl, cap, dtype, grads, mode="chunked", out_shape=None, **kw):
     n, v = _flops.numel(h[:-1]), w[0]
     gemm = 2 * n * h[-1] * v
-    return (n * v * (_flops.CE_BWD + (_flops.CE_SOFTCAP_BWD if cap > 0 else 0))
+    return (n * v * ce_flops("backward", cap)
             + gemm * (int(bool(grads[0])) + int(bool(grads[1]))) + (n * v if grads[2] else 0))
 
 

@@ -1,7 +1,10 @@
 """``patch(model, kernels=...)``: swap recognised modules of one model instance for fused drop-ins.
 
 Only the given model object changes (its child modules are replaced in their
-parents); no class or function is monkey-patched globally. What is recognised:
+parents); no class or function is monkey-patched globally. What is recognised (each row is
+the patch rule its kernel's ``FACTS.patch`` names, :mod:`._patch_types`: ``swap_candidate`` of
+:mod:`.rms_norm`, :mod:`.layer_norm`, :mod:`.glu`; ``patch_model`` of :mod:`._hf_rotary`,
+:mod:`._hf_lm_head`):
 
 =====================  =====================================================  ==========
 kernel                 modules                                                replacement
@@ -43,68 +46,25 @@ the report with the reason. :func:`unpatch` puts the originals back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+import importlib
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from . import _hf_rotary
-from ._common import INTERPRET
-from .glu import GeGLUMLP, SwiGLUMLP
-from .layer_norm import LayerNorm
-from .rms_norm import RMSNorm
+from ._env import INTERPRET
+from ._facts import all_facts, kernel_names
+from ._patch_types import Left, PatchReport, Swapped, device_reason, not_requested, tolerance
 
-KERNEL_NAMES = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "geglu", "rotary", "cross_entropy")
+__all__ = ["patch", "unpatch", "PatchReport", "Swapped", "Left", "KERNEL_NAMES"]
+
 _ORIGINAL = "_mfuwatch_original"
-_OURS = (RMSNorm, LayerNorm, SwiGLUMLP, GeGLUMLP)
-_ACT_ATTRS = ("act_fn", "act", "activation_fn", "activation")
-#: Kernel label of a gated MLP that neither GLU kernel can take (an activation other than SiLU or GELU): it is
-#: reported as left whenever either GLU kernel is requested.
-ANY_GLU = "swiglu or geglu"
-_GELU_TANH_NAMES = ("PytorchGELUTanh", "GELUTanh", "NewGELUActivation", "GELUPytorchTanh", "GeluTanh")
-#: probe tolerance on max|a - b| / (1 + max|a|), per dtype
-_TOL = {torch.float32: 1e-4, torch.float64: 1e-6, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-@dataclass
-class Swapped:
-    """One module replaced: its dotted name, the two class names and the kernel used."""
-
-    name: str
-    original: str
-    replacement: str
-    kernel: str
-
-
-@dataclass
-class Left:
-    """One candidate module left in place, and why."""
-
-    name: str
-    module: str
-    kernel: str
-    reason: str
-
-
-@dataclass
-class PatchReport:
-    """What :func:`patch` did. ``str(report)`` is a readable table."""
-
-    swapped: List[Swapped] = field(default_factory=list)
-    left: List[Left] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
-
-    def count(self, kernel: Optional[str] = None) -> int:
-        """Number of swapped modules (for one kernel, or all)."""
-        return sum(1 for s in self.swapped if kernel is None or s.kernel == kernel)
-
-    def __str__(self) -> str:
-        lines = [f"mfuwatch.kernels.patch: {len(self.swapped)} swapped, {len(self.left)} left"]
-        lines += [f"  swapped  {s.name}: {s.original} -> {s.replacement} ({s.kernel})" for s in self.swapped]
-        lines += [f"  left     {s.name}: {s.module} ({s.kernel}): {s.reason}" for s in self.left]
-        lines += [f"  note     {n}" for n in self.notes]
-        return "\n".join(lines)
+def __getattr__(name: str):
+    if name == "KERNEL_NAMES":  # the kernel list's names (mfuwatch.kernels.AVAILABLE_KERNELS), on each read
+        return kernel_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cls(m: nn.Module) -> str:
@@ -128,7 +88,7 @@ def _probe(orig: nn.Module, repl: nn.Module, shape: Tuple[int, ...], dtype: torc
         return f"probe output {got} != fused {(tuple(b.shape), b.dtype)}"
     a, b = a.double(), b.double()
     err = float((a - b).abs().max()) / (1.0 + float(a.abs().max()))
-    if not err <= _TOL.get(dtype, 3e-2):
+    if not err <= tolerance(dtype):
         return f"probe output differs from the fused op (relative error {err:.2e})"
     if not orig.training and _random_in_training(orig, x, device):
         return "its forward is random in training mode (a functional dropout?), which the fused op would drop"
@@ -166,81 +126,6 @@ def _first_param(m: nn.Module) -> Optional[torch.Tensor]:
     return next(iter(m.parameters()), None)
 
 
-def _rms_candidates(m: nn.Module) -> Tuple[Optional[List[Callable[[], nn.Module]]], str]:
-    """Builders of RMSNorm replacements to try in order, or (None, reason)."""
-    if hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm):
-        def build():
-            new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta", casting="fp32")
-            if m.weight is not None:
-                new.weight = m.weight
-            return new
-        return [build], ""
-    w = getattr(m, "weight", None)
-    if not isinstance(w, nn.Parameter) or w.dim() != 1:
-        return None, "no 1-D `weight` parameter"
-    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-    if not isinstance(eps, (int, float)):
-        return None, "no float `variance_epsilon`/`eps` attribute"
-    if len(list(m.parameters(recurse=False))) != 1 or len(list(m.buffers(recurse=False))) != 0:
-        return None, "has parameters or buffers besides `weight`"
-    variants = [(0.0, "llama"), (1.0, "fp32")]
-    if "gemma" in _cls(m).lower():
-        variants.reverse()
-
-    def builder(offset, casting):
-        def build():
-            new = RMSNorm(w.shape[0], float(eps), device="meta", offset=offset, casting=casting)
-            new.weight = w
-            return new
-        return build
-    return [builder(o, c) for o, c in variants], ""
-
-
-def _glu_of(act) -> Tuple[str, Optional[str], str]:
-    """(kernel, GELU approximation or None, "") for an activation a GLU kernel computes, else (ANY_GLU, None,
-    reason). ``act`` is a module (``nn.SiLU``, ``nn.GELU``, Hugging Face's activation classes) or a function
-    (``torch.nn.functional.silu`` / ``gelu``)."""
-    import torch.nn.functional as F
-
-    if act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU", "Swish"):
-        return "swiglu", None, ""
-    if act is F.gelu:
-        return "geglu", "none", ""
-    if isinstance(act, nn.GELU):
-        return "geglu", getattr(act, "approximate", "none"), ""
-    name = type(act).__name__
-    if name in _GELU_TANH_NAMES:
-        return "geglu", "tanh", ""
-    if name == "GELUActivation":
-        return "geglu", "none", ""
-    label = getattr(act, "__name__", None) if callable(act) and not isinstance(act, nn.Module) else None
-    return ANY_GLU, None, f"activation {label or name} has no fused kernel"
-
-
-def _mlp_candidate(m: nn.Module) -> Tuple[Optional[str], Optional[Callable[[], nn.Module]], str]:
-    """(kernel, builder, "") for a gated MLP, or (kernel or None, None, reason).
-
-    The activation decides the kernel; an activation without one is the reason reported, before any
-    other (e.g. a dropout submodule), so that the report names the real blocker.
-    """
-    if not all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")):
-        return None, None, ""
-    act = next((getattr(m, a) for a in _ACT_ATTRS if getattr(m, a, None) is not None), None)
-    if act is None:
-        return ANY_GLU, None, f"no activation attribute among {_ACT_ATTRS}"
-    kind, approx, reason = _glu_of(act)
-    if reason:
-        return kind, None, reason
-    g, u, d = m.gate_proj, m.up_proj, m.down_proj
-    act_attr = next(a for a in _ACT_ATTRS if getattr(m, a, None) is act)
-    extra = [n for n, _c in m.named_children() if n not in ("gate_proj", "up_proj", "down_proj", act_attr)]
-    if extra:  # e.g. a dropout: identity in eval mode, so the probe would pass, and lost after .train()
-        return kind, None, f"it has submodules the fused MLP would drop: {', '.join(extra)}"
-    if kind == "swiglu":
-        return "swiglu", lambda: SwiGLUMLP.from_linears(g, u, d), ""
-    return "geglu", lambda: GeGLUMLP.from_linears(g, u, d, approximate=approx), ""
-
-
 def _hooked(m: nn.Module) -> Optional[str]:
     """Why ``m`` must not be swapped because of hooks on it or on a submodule, or None.
 
@@ -258,18 +143,19 @@ def _hooked(m: nn.Module) -> Optional[str]:
 
 
 def _resolve_kernels(kernels: Optional[Iterable[str]]) -> Tuple[str, ...]:
+    names = kernel_names()
     if kernels is None:
-        return KERNEL_NAMES
+        return names
     if isinstance(kernels, str):
         kernels = [kernels]
     out = tuple(kernels)
     for k in out:
-        if k not in KERNEL_NAMES:
+        if k not in names:
             import difflib
 
-            near = difflib.get_close_matches(k, KERNEL_NAMES, n=1)
+            near = difflib.get_close_matches(k, names, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"unknown kernel {k!r}{hint}; accepted: {', '.join(KERNEL_NAMES)}")
+            raise ValueError(f"unknown kernel {k!r}{hint}; accepted: {', '.join(names)}")
     return out
 
 
@@ -279,7 +165,7 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
 
     Args:
         model: any ``nn.Module``; only this instance's submodules change.
-        kernels: names from :data:`KERNEL_NAMES` (``mfuwatch.kernels.AVAILABLE_KERNELS``),
+        kernels: names from ``mfuwatch.kernels.AVAILABLE_KERNELS``,
             or None for all of them.
         verify: compare each replacement with the original on a probe input
             before swapping (see the module docstring).
@@ -296,98 +182,63 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
     check_mode(lm_head_mode, "lm_head_mode")
     wanted = _resolve_kernels(kernels)
     report = PatchReport()
-    if "add_rms_norm" in wanted:
-        report.notes.append("add_rms_norm has no module pattern (the residual add is in the decoder layer's "
-                            "forward): call mfuwatch.kernels.add_rms_norm(x, residual, weight) in model code")
+    swaps, wirings = _rules()
+    report.notes += [kf.patch_note for kf in all_facts() if kf.name in wanted and not kf.patch and kf.patch_note]
     plan = []
     for name, m in list(model.named_modules()):
-        if isinstance(m, _OURS) or any(name.startswith(p + ".") for p, _k, _b in plan if p):
+        if _ours(m) or any(name.startswith(p + ".") for p, _c, _m in plan if p):
             continue
-        if isinstance(m, nn.LayerNorm):
-            kernel = "layer_norm"
+        cand = next((c for c in (rule.swap_candidate(m) for rule in swaps) if c is not None), None)
+        if cand is None:
+            continue
+        if not cand.requested(wanted):
+            report.left.append(Left(name, _cls(m), cand.kernel, not_requested(wanted)))
+            continue
+        if cand.builders is None:
+            report.left.append(Left(name, _cls(m), cand.kernel, cand.reason))
+            continue
+        plan.append((name, cand, m))
 
-            def build(m=m):
-                new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, bias=m.bias is not None,
-                                device="meta")
-                if m.weight is not None:
-                    new.weight = m.weight
-                if m.bias is not None:
-                    new.bias = m.bias
-                return new
-            builders, reason = [build], ""
-        elif (hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm)) or _cls(m).lower().endswith("rmsnorm"):
-            kernel = "rms_norm"
-            builders, reason = _rms_candidates(m)
-        else:
-            kernel, b, reason = _mlp_candidate(m)
-            if kernel is None:
-                continue
-            builders = [b] if b is not None else None
-        if kernel not in wanted and not (kernel == ANY_GLU and ("swiglu" in wanted or "geglu" in wanted)):
-            report.left.append(Left(name, _cls(m), kernel, f"not requested (kernels={list(wanted)})"))
-            continue
-        if builders is None:
-            report.left.append(Left(name, _cls(m), kernel, reason))
-            continue
-        plan.append((name, kernel, (m, builders)))
-
-    for name, kernel, (m, builders) in plan:
+    for name, cand, m in plan:
         reason = _check_swappable(name, m)
         new = None
         if reason is None:
             p = _first_param(m)
             # a parameter-free norm runs wherever its input is: probe it where the kernels run
             dev, dt = (p.device, p.dtype) if p is not None else (_probe_device(), torch.float32)
-            for build in builders:
-                cand = build()
-                cand.train(m.training)
-                if hasattr(cand, "gate_proj"):
-                    shape = (4, cand.gate_proj.in_features)
-                else:
-                    shape = (4, *cand.normalized_shape)
-                reason = _probe(m, cand, shape, dt, dev) if verify else None
+            for build in cand.builders:
+                repl = build()
+                repl.train(m.training)
+                reason = _probe(m, repl, cand.probe_shape, dt, dev) if verify else None
                 if reason is None:
-                    new = cand
+                    new = repl
                     break
         if new is None:
-            report.left.append(Left(name, _cls(m), kernel, reason))
+            report.left.append(Left(name, _cls(m), cand.kernel, reason))
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         object.__setattr__(new, _ORIGINAL, m)
         setattr(parent, child, new)
-        report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), kernel))
-    _patch_rotary(model, "rotary" in wanted, verify, wanted, report)
-    # ---- cross_entropy: the LM head + loss of Hugging Face causal LMs (the wiring is in _hf_lm_head)
-    if "cross_entropy" in wanted:
-        from ._hf_lm_head import patch_lm_heads
-
-        patch_lm_heads(model, report, lm_head_mode)
+        report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), cand.kernel))
+    for rule in wirings:  # rotary (the attention forward), cross_entropy (the LM head + loss, in lm_head_mode)
+        rule.patch_model(model, wanted, verify, report, lm_head_mode=lm_head_mode)
     return report
 
 
-def _patch_rotary(model: nn.Module, requested: bool, verify: bool, wanted, report: PatchReport) -> None:
-    """Wire the fused rotary into the Hugging Face attention modules of ``model`` (see :mod:`._hf_rotary`)."""
-    for name, m in _hf_rotary.candidates(model):
-        if not requested:
-            report.left.append(Left(name, _cls(m), "rotary", f"not requested (kernels={list(wanted)})"))
-            continue
-        reason = _hf_rotary.wire(name, m, verify, lambda dt: _TOL.get(dt, 3e-2), _device_reason)
-        if reason is None:
-            report.swapped.append(Swapped(name, f"{_cls(m)}.forward: {_hf_rotary.GLOBAL}",
-                                          "mfuwatch.kernels.apply_rotary", "rotary"))
-        else:
-            report.left.append(Left(name, _cls(m), "rotary", reason))
+def _rules() -> Tuple[list, list]:
+    """(swap rules, wiring rules): the patch-rule modules the kernels' ``FACTS`` name, each once, in the order
+    of the kernel list (see :mod:`._patch_types`)."""
+    swaps, wirings = [], []
+    for module in dict.fromkeys(kf.patch for kf in all_facts() if kf.patch):
+        rule = importlib.import_module(module, __package__)
+        (swaps if hasattr(rule, "swap_candidate") else wirings).append(rule)
+    return swaps, wirings
 
 
-def _device_reason(p: torch.Tensor) -> Optional[str]:
-    """Why the Triton kernels cannot take a module whose first parameter is ``p``, or None."""
-    if not (p.is_cuda or p.device.type == "meta" or (INTERPRET and p.device.type == "cpu")):
-        return (f"on {p.device}: the Triton kernels need a CUDA device "
-                "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
-    if not p.is_floating_point() or p.dtype == torch.float64:
-        return f"dtype {p.dtype} is not fp32/fp16/bf16"
-    return None
+def _ours(m: nn.Module) -> bool:
+    """Whether ``m`` is one of this package's modules or a subclass of one (a drop-in: nothing to swap)."""
+    return any(c.__module__.startswith(__package__ + ".") for c in type(m).__mro__)
 
 
 def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
@@ -402,7 +253,7 @@ def _check_swappable(name: str, m: nn.Module) -> Optional[str]:
                         "(TRITON_INTERPRET=1 runs them on the CPU, slowly)")
             return _hooked(m)
         return "it has no parameters to infer device and dtype from"
-    return _device_reason(p) or _hooked(m)
+    return device_reason(p) or _hooked(m)
 
 
 def unpatch(model: nn.Module) -> int:
@@ -412,10 +263,7 @@ def unpatch(model: nn.Module) -> int:
     so training since the patch is kept) and training mode; attention modules wired
     to the fused rotary get their class's ``forward`` back (each counts as one).
     """
-    restored = _hf_rotary.unwire(model)
-    from ._hf_lm_head import unpatch_lm_heads
-
-    restored += unpatch_lm_heads(model)
+    restored = sum(rule.unpatch_model(model) for rule in _rules()[1])
     for name, m in list(model.named_modules()):
         orig = m.__dict__.get(_ORIGINAL)
         if orig is None or not name:

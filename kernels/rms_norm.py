@@ -32,8 +32,10 @@ from torch import Tensor, nn
 
 from . import _flops
 from . import _norm_launch as K
-from ._common import (check_rms_inputs, compile_decomposes, empty_width_norm, first_order_only, needs_grad,
-                      resolve_casting, use_custom_op)
+from ._facts import Bytes, KernelFacts, Remedy, Step, aten, patch_line
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
+from ._norm_common import check_rms_inputs, empty_width_norm, resolve_casting
+from ._patch_types import Candidate
 from .add_rms_norm import add_rms_norm_trailing
 
 # ---------------------------------------------------------------- custom ops (compile / dispatch modes)
@@ -81,12 +83,46 @@ def _backward(ctx, dy, _drstd):
 _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------- what this kernel declares (kernels/_facts.py)
+
+FACTS = KernelFacts(
+    name="rms_norm",
+    # bytes (E = rows x N elements, H = N): forward reads x, w and writes y: 2*E*b + H*wb;
+    # backward reads x, dy, w and writes dx, dw: 3*E*b + 2*H*wb
+    forward=Bytes(activations=2, weights=1), backward=Bytes(activations=3, weights=2),
+    # FLOPs per element of x: forward s^2, sum, *rstd, *w (4; 3 without weight); backward xhat = s*rstd,
+    # g = dy*w, sum(g*xhat) (2), (g - xhat*c)*rstd (3), dw += dy*xhat (2) (9; 6 without weight)
+    flops={"forward": 4, "forward_no_weight": 3, "backward": 9, "backward_no_weight": 6},
+    remedy=Remedy(
+        kernel="rms_norm", kind="bundled",
+        title="Fused RMSNorm (Triton drop-in) instead of RMSNorm written out as pow/mean/rsqrt/mul",
+        apply=patch_line("rms_norm"),
+        replaces="[to] → pow → mean → add → rsqrt → mul → [type_as] → [mul weight]",
+        sequence=(
+            Step(aten("to", "_to_copy"), optional=True),  # x.float()
+            Step(aten("pow", "square")),
+            Step(aten("mean")),
+            Step(aten("add", "add_")),
+            Step(aten("rsqrt")),
+            Step(aten("mul")),
+            Step(aten("type_as", "to", "_to_copy"), optional=True),  # .type_as(x) / .to(input_dtype)
+            Step(aten("mul"), optional=True),  # * weight
+        ),
+        anchor_arg=0,
+        note="bytes from mfuwatch.kernels.traffic: forward reads x, w and writes y; backward reads x, dy, w "
+             "and writes dx, dw",
+    ),
+    exports=("rms_norm", "RMSNorm", "RMSNormFunction"),
+    patch=".rms_norm",
+)
+
+
 def _fwd_flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return _flops.numel(x_shape) * (_flops.RMS_FWD if w_shape is not None else _flops.RMS_FWD_NO_W)
+    return _flops.numel(x_shape) * FACTS.flops["forward" if w_shape is not None else "forward_no_weight"]
 
 
 def _bwd_flops(dy_shape, x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
-    return _flops.numel(x_shape) * (_flops.RMS_BWD if w_shape is not None else _flops.RMS_BWD_NO_W)
+    return _flops.numel(x_shape) * FACTS.flops["backward" if w_shape is not None else "backward_no_weight"]
 
 
 _flops.register(torch.ops.mfuwatch.rms_norm, _fwd_flops)
@@ -222,3 +258,40 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
                 f"offset={self.offset}, casting={self.casting!r}")
+
+
+# ---------------------------------------------------------------- patch rule (kernels/_patch_types.py)
+
+def swap_candidate(m: nn.Module) -> Optional[Candidate]:
+    """``torch.nn.RMSNorm``, or a ``*RMSNorm`` class (Hugging Face Llama, Mistral, Qwen, Gemma, ...) with a 1-D
+    ``weight`` and a float ``variance_epsilon`` or ``eps``; None for other modules. The replacements to try:
+    Llama casting with ``w``, then fp32 casting with Gemma's ``1 + w`` (reversed for a Gemma class), so that
+    ``patch``'s probe decides between the two."""
+    if hasattr(nn, "RMSNorm") and isinstance(m, nn.RMSNorm):
+        def build():
+            new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta", casting="fp32")
+            if m.weight is not None:
+                new.weight = m.weight
+            return new
+        return Candidate("rms_norm", [build], probe_shape=(4, *m.normalized_shape))
+    if isinstance(m, nn.LayerNorm) or not type(m).__name__.lower().endswith("rmsnorm"):
+        return None
+    w = getattr(m, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        return Candidate("rms_norm", None, "no 1-D `weight` parameter")
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(eps, (int, float)):
+        return Candidate("rms_norm", None, "no float `variance_epsilon`/`eps` attribute")
+    if len(list(m.parameters(recurse=False))) != 1 or len(list(m.buffers(recurse=False))) != 0:
+        return Candidate("rms_norm", None, "has parameters or buffers besides `weight`")
+    variants = [(0.0, "llama"), (1.0, "fp32")]
+    if "gemma" in type(m).__name__.lower():
+        variants.reverse()
+
+    def builder(offset, casting):
+        def build():
+            new = RMSNorm(w.shape[0], float(eps), device="meta", offset=offset, casting=casting)
+            new.weight = w
+            return new
+        return build
+    return Candidate("rms_norm", [builder(o, c) for o, c in variants], probe_shape=(4, w.shape[0]))

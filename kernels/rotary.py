@@ -11,9 +11,9 @@ with ``interleaved=True`` the pairs are ``(x[2j], x[2j+1])`` (GPT-J, GLM):
 ``rotate(x)[2j] = -x[2j+1]``, ``rotate(x)[2j+1] = x[2j]``. Kernels: :mod:`._rotary_triton`.
 
 Dispatch: eager calls run :class:`RotaryFunction`; a ``TorchDispatchMode`` (``FlopCounterMode``)
-or a tensor subclass takes the custom op (FLOPs counted, :data:`FLOPS_PER_ELEMENT`); under
+or a tensor subclass takes the custom op (FLOPs counted, :data:`FACTS`); under
 ``torch.compile`` the op is written out in PyTorch ops (:func:`._rotary_triton.reference`), which
-Inductor fuses with its neighbours (see :func:`._common.compile_decomposes`).
+Inductor fuses with its neighbours (see :func:`._dispatch.compile_decomposes`).
 """
 
 from typing import Tuple
@@ -23,12 +23,8 @@ from torch import Tensor
 
 from . import _flops
 from . import _rotary_triton as K
-from ._common import compile_decomposes, first_order_only, needs_grad, use_custom_op
-
-#: FLOPs per rotated element (one of the ``R`` dims of one head of q or k), forward and backward alike:
-#: ``x1 c1 - x2 s1`` is two multiplies and one subtract per output element (the copied dims cost none).
-FLOPS_PER_ELEMENT = 3
-
+from ._facts import Bytes, KernelFacts, Remedy, Step, aten, patch_line
+from ._dispatch import compile_decomposes, first_order_only, needs_grad, use_custom_op
 
 # ---------------------------------------------------------------- custom ops
 
@@ -70,13 +66,40 @@ def _backward(ctx, dq, dk):
 _rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _flop_count(q_shape, k_shape, cos_shape, *args, out_shape=None, **kwargs) -> int:
-    b, hq, t, _ = q_shape
-    return FLOPS_PER_ELEMENT * b * t * (hq + k_shape[1]) * cos_shape[-1]
+# ---------------------------------------------------------------- what this kernel declares (kernels/_facts.py)
+
+FACTS = KernelFacts(
+    name="rotary",
+    # bytes of one of q, k (rows = B*H*T, hidden = D): forward reads x and writes x_embed: 2*E*b; backward reads
+    # dy and writes dx: 2*E*b (cos/sin: 2*B*T*R elements per call, shared by all heads, left out)
+    forward=Bytes(activations=2), backward=Bytes(activations=2),
+    # FLOPs per rotated element (one of the R dims of one head of q or k), forward and backward alike:
+    # x1 c1 - x2 s1 is two multiplies and one subtract per output element (the copied dims cost none)
+    flops={"forward": 3, "backward": 3},
+    remedy=Remedy(
+        kernel="rotary", kind="bundled",
+        title="Fused rotary embedding (Triton drop-in) instead of rotate_half written out as mul, neg, cat, mul, add",
+        apply=patch_line("rotary"),
+        replaces="x * cos + cat(-x2, x1) * sin (Hugging Face apply_rotary_pos_emb, once for q and once for k)",
+        sequence=(Step(aten("mul")), Step(aten("neg")), Step(aten("cat")), Step(aten("mul")), Step(aten("add"))),
+        anchor_arg=0,
+        note="anchor = q or k (B, H, T, D); bytes from mfuwatch.kernels.traffic: forward reads x and writes "
+             "x_embed, backward reads the gradient and writes dx (cos/sin, shared by all heads, left out)",
+    ),
+    exports=("apply_rotary", "RotaryFunction"),
+    patch="._hf_rotary",
+)
 
 
-_flops.register(torch.ops.mfuwatch.rotary, _flop_count)
-_flops.register(torch.ops.mfuwatch.rotary_backward, _flop_count)
+def _flop_counter(direction: str):
+    def count(q_shape, k_shape, cos_shape, *args, out_shape=None, **kwargs) -> int:
+        b, hq, t, _ = q_shape
+        return FACTS.flops[direction] * b * t * (hq + k_shape[1]) * cos_shape[-1]
+    return count
+
+
+_flops.register(torch.ops.mfuwatch.rotary, _flop_counter("forward"))
+_flops.register(torch.ops.mfuwatch.rotary_backward, _flop_counter("backward"))
 
 
 # ---------------------------------------------------------------- eager fast path

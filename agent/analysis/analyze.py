@@ -60,7 +60,7 @@ def analyze_events(events_iter: Iterable[Dict[str, Any]], *, spec_or_peaks: Any,
         step_time_seconds: step time measured outside the window, for the Amdahl gains; None ⇒
             window wall time / steps.
         top_k: how many ops to keep in ``top_ops`` (bounded metric cardinality).
-        registry: remedies to match (default ``mfuwatch.kernels.registry.REGISTRY``).
+        registry: remedies to match (default ``mfuwatch.kernels.remedies.REMEDIES``).
         device_type: "cuda" (GPU activities are the kernels) or "cpu" (each CPU op's self time is).
 
     Returns:

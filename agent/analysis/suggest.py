@@ -1,6 +1,6 @@
 """Suggestions: match the remedies registry against a classified window and estimate each one's gain.
 
-The registry (``mfuwatch.kernels.registry``) says which op patterns a remedy replaces and
+The remedies table (``mfuwatch.kernels.remedies``) says which op patterns a remedy replaces and
 how many bytes its replacement must move; this module finds those ops in a
 :class:`mfuwatch.agent.analysis.roofline.Window` and computes the **expected gain** (Amdahl):
 
@@ -149,12 +149,12 @@ def suggest(w: Window, *, step_time_seconds: float, registry: Optional[Sequence]
     Args:
         w: the classified window (:func:`mfuwatch.agent.analysis.roofline.build_window`).
         step_time_seconds: step time (s) the gains are fractions of.
-        registry: ``Remedy`` entries (default ``mfuwatch.kernels.registry.REGISTRY``).
+        registry: ``Remedy`` entries (default ``mfuwatch.kernels.remedies.REMEDIES``).
         min_gain: drop suggestions whose expected gain is below this fraction.
     """
-    from mfuwatch.kernels import registry as reg
+    from mfuwatch.kernels import remedies as reg
 
-    remedies = reg.REGISTRY if registry is None else registry
+    remedies = reg.REMEDIES if registry is None else registry
     if step_time_seconds <= 0 or w.steps <= 0:
         return []
     ctx = _Context(w)

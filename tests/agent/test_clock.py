@@ -5,18 +5,11 @@ import math
 import torch
 
 from mfuwatch.agent.clock import StepClock
-
-
-class FakeNow:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
+from tests.helpers.fake_clock import FakeClock
 
 
 def test_intervals_from_boundaries():
-    now = FakeNow()
+    now = FakeClock(100.0)
     c = StepClock(torch.device("cpu"), now=now, wall=lambda: 1e9)
     c.start()
     for step, dt, tok in ((1, 0.5, 10), (2, 0.25, 20), (3, 1.0, 30)):
@@ -29,7 +22,7 @@ def test_intervals_from_boundaries():
 
 
 def test_first_boundary_without_start_is_untimed_but_counted():
-    now = FakeNow()
+    now = FakeClock(100.0)
     c = StepClock(torch.device("cpu"), now=now)
     c.mark(1, 7)
     now.t += 2.0
@@ -40,7 +33,7 @@ def test_first_boundary_without_start_is_untimed_but_counted():
 
 
 def test_overflow_merges_tokens_not_drops():
-    now = FakeNow()
+    now = FakeClock(100.0)
     c = StepClock(torch.device("cpu"), now=now, max_pending=3)
     c.start()
     for s in range(1, 7):
@@ -54,7 +47,7 @@ def test_overflow_merges_tokens_not_drops():
 
 
 def test_gap_leaves_its_time_out_and_keeps_steps_and_tokens():
-    now = FakeNow()
+    now = FakeClock(100.0)
     c = StepClock(torch.device("cpu"), now=now)
     c.start()
     now.t += 0.5
@@ -69,7 +62,7 @@ def test_gap_leaves_its_time_out_and_keeps_steps_and_tokens():
 
 
 def test_gap_after_merged_boundaries_counts_their_steps_untimed():
-    now = FakeNow()
+    now = FakeClock(100.0)
     c = StepClock(torch.device("cpu"), now=now, max_pending=2)
     c.start()
     for step in (1, 2):

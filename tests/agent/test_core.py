@@ -7,13 +7,13 @@ import urllib.request
 import pytest
 import torch
 import torch.nn.functional as F
-from prometheus_client.parser import text_string_to_metric_families
 
 from mfuwatch.agent import Agent, watch
 from mfuwatch.agent.core import count_tokens
 from mfuwatch.agent.demo import DemoLM, DemoShape
 from mfuwatch.agent.flops import analytic_flops_per_token, count_matmul_params
 from tests.helpers.integration_fixtures import install_fake_clock
+from tests.helpers.net import free_port, scrape
 
 BASE = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="t")
 
@@ -135,18 +135,6 @@ def test_injected_failure_does_not_reach_training_loop(monkeypatch, caplog):
     assert sum("hooks failed" in r.getMessage() for r in caplog.records) == 1
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(url):
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 def test_exporter_scraped_over_http():
     a = Agent(config=dict(BASE, exporter=True, port=0, flops_per_step=2e12, peak_flops=1e13,
                           report_every_steps=2, run="scrape"))
@@ -155,7 +143,7 @@ def test_exporter_scraped_over_http():
         now.t += 0.5
         a.step(tokens=100)
     a._tick(final=False)
-    samples = _scrape(a.exporter_url)
+    samples = scrape(a.exporter_url)
     a.close()
     lab = (("job", "scrape"), ("rank", "0"), ("run", "scrape"))  # job: the run's name when no job is known
     assert samples[("mfuwatch_steps_total", lab)] == 4
@@ -172,7 +160,7 @@ def test_exporter_scraped_over_http():
 
 
 def test_busy_port_takes_next_and_reports_it():
-    port = _free_port()
+    port = free_port()
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     blocker.bind(("127.0.0.1", port))
@@ -183,7 +171,7 @@ def test_busy_port_takes_next_and_reports_it():
             used = int(a.exporter_url.rsplit(":", 1)[1].split("/")[0])
             assert used != port and port < used <= port + 100
             assert a.run_info.exporter_url == a.exporter_url
-            samples = _scrape(a.exporter_url)
+            samples = scrape(a.exporter_url)
             info = [dict(k[1]) for k in samples if k[0] == "mfuwatch_run_info"]
             assert info[0]["exporter_url"] == a.exporter_url
         finally:

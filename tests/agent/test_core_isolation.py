@@ -19,6 +19,7 @@ import torch
 
 from mfuwatch.agent import Agent, ConfigError, watch
 from mfuwatch.agent.timeline import read_timeline
+from tests.helpers.net import free_port
 
 BASE = dict(exporter=False, nvml=False, profile_every="off", run="iso", report_every_steps=10)
 CONSOLE_LOG = {"notifiers": [{"type": "console", "stream": "log"}]}
@@ -98,12 +99,6 @@ def test_close_never_raises_even_when_every_part_fails(monkeypatch):
     assert a.errors.get("close") + a.errors.get("timeline") >= 3
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_is_free(port):
     with socket.socket() as s:
         try:
@@ -122,7 +117,7 @@ def _agent_threads():
     {"alerts": {"rules": {"MfuLow": {"threshhold": 0.2}}}},  # an alert config error after the exporter started
 ])
 def test_failed_start_up_cleans_up_and_raises_config_error(bad):
-    port = _free_port()
+    port = free_port()
     before = _agent_threads()
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from tests.helpers.debian_tools import ensure_binary
 from tests.helpers.integration_fixtures import install_fake_clock
+from tests.helpers.net import free_port
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent import distributed as d
@@ -142,12 +143,6 @@ def test_rendered_configs_pass_promtool(tmp_path, capsys):
     assert exc.value.code == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _api(port: int, path: str, **params) -> dict:
     url = f"http://127.0.0.1:{port}/api/v1/{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
     return json.loads(urllib.request.urlopen(url, timeout=5).read().decode())["data"]
@@ -184,7 +179,7 @@ def test_prometheus_discovers_every_rank_through_file_sd(tmp_path):
     cfg = d.scrape_config("mfuwatch", file_sd_dir=str(sd_dir), scrape_interval="1s")
     cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    port = _free_port()
+    port = free_port()
     agents = [_agent(0, 4), _agent(1, 6)]
     targets = [d.register_agent(a, sd_dir) for a in agents]
     proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import collections
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mfuwatch.agent import Agent
 from mfuwatch.agent.goodput import BUCKETS
@@ -15,6 +13,7 @@ from mfuwatch.agent.job import MAX_JOB_LENGTH, resolve_job
 from mfuwatch.agent.nvml_device import CLOCK_EVENT_REASONS
 from mfuwatch.agent.schema import CATEGORIES, GpuHealth, OpShare, Suggestion, WindowMeasurement
 from mfuwatch.agent.straggler import StragglerScore
+from tests.helpers.net import scrape
 
 
 @pytest.mark.parametrize("env,want", [
@@ -46,11 +45,6 @@ def test_straggler_score_against_its_own_best_steps():
     assert s.score() == pytest.approx(0.100 / 0.130)
     s.observe(float("nan"))
     assert s.score() == pytest.approx(0.100 / 0.130)
-
-
-def _scrape(url):
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
 #: Series of one rank with everything on (NVML with GPM and ECC, a profiler window with top_k ops):
@@ -104,17 +98,18 @@ def test_series_per_rank_stay_within_the_documented_budget():
     deadline = time.time() + 10
     while agent.latest is None and time.time() < deadline:
         time.sleep(0.05)
-    samples = _scrape(agent.exporter_url)
+    samples = scrape(agent.exporter_url)
     agent.close()
-    assert all(s.labels.get("job") == "budget" and s.labels.get("run") == "budget" and s.labels.get("rank") == "0"
-               for s in samples), [s for s in samples if "job" not in s.labels][:3]
+    labels = {series: dict(series[1]) for series in samples}  # (name, sorted labels) -> labels
+    assert all(lab.get("job") == "budget" and lab.get("run") == "budget" and lab.get("rank") == "0"
+               for lab in labels.values()), [k for k, lab in labels.items() if "job" not in lab][:3]
     assert len(samples) == budget(TOP_K, SUGGESTIONS, len(CLOCK_EVENT_REASONS))
     # no unbounded label: every label beyond run/rank/job takes values from a bounded set
     values = collections.defaultdict(set)
-    for s in samples:
-        for k, v in s.labels.items():
+    for (name, _lab), lab in labels.items():
+        for k, v in lab.items():
             if k not in ("run", "rank", "job"):
-                values[(s.name, k)].add(v)
+                values[(name, k)].add(v)
     bounds = {"category": len(CATEGORIES), "op": TOP_K, "bound": 4, "kernel": SUGGESTIONS, "bucket": len(BUCKETS),
               "reason": len(CLOCK_EVENT_REASONS), "type": 2, "le": 23, "frame": 1, "collective": 1}
     for (name, label), vals in values.items():

@@ -1,12 +1,13 @@
 """FLOPs per rank under FSDP2 and tensor parallelism, two CPU ranks over gloo (torch.distributed on 127.0.0.1)."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.helpers.net import free_port
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,15 +95,9 @@ def _check(rank, mode):
         assert comps["head"] == ref["head"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_flops_per_rank_under_fsdp2_and_tensor_parallelism():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("this torch build has no gloo backend")
     out = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     assert dict(out) == {0: 1, 1: 1}

@@ -14,17 +14,10 @@ from torch import nn
 from mfuwatch.agent import Agent
 from mfuwatch.agent.goodput import BUCKETS, GoodputClock, phase_bucket, steps_to_redo
 from mfuwatch.agent.timeline import read_timeline
+from tests.helpers.fake_clock import FakeClock
 
 BASE = dict(exporter=False, nvml=False, profile_every="off", alerts=False, report_every_steps=1,
             flops_per_step=1e9, peak_flops=1e15, goodput_warmup_steps=1, hang_watchdog=False)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class SlowToPickle:

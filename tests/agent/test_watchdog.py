@@ -13,14 +13,7 @@ import torch
 from mfuwatch.agent import Agent
 from mfuwatch.agent.timeline import read_timeline
 from mfuwatch.agent.watchdog import HangWatchdog, last_nccl_collective
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.helpers.fake_clock import FakeClock
 
 
 def wait_in_collective(event: threading.Event) -> None:  # the "training thread" blocks here
@@ -28,7 +21,7 @@ def wait_in_collective(event: threading.Event) -> None:  # the "training thread"
 
 
 def test_threshold_is_factor_times_median_with_a_floor():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     w = HangWatchdog(factor=4.0, floor_seconds=1.0, min_steps=3, now=clock)
     assert w.threshold() is None
     for d in (0.1, 0.2, 0.3, 0.25):  # the first boundary only starts the clock
@@ -42,7 +35,7 @@ def test_threshold_is_factor_times_median_with_a_floor():
 
 
 def test_a_stuck_step_is_reported_once_with_the_training_threads_stack():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     reports, recovered = [], []
     w = HangWatchdog(factor=3.0, floor_seconds=0.5, min_steps=3, now=clock, on_hang=reports.append,
                      on_recover=recovered.append)
@@ -75,7 +68,7 @@ def test_a_stuck_step_is_reported_once_with_the_training_threads_stack():
 
 
 def test_paused_during_a_phase():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     w = HangWatchdog(factor=2.0, floor_seconds=0.1, min_steps=1, now=clock)
     w.boundary(1)
     clock.t += 0.1

@@ -20,6 +20,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from helpers.debian_tools import ensure_binary  # noqa: E402
+from helpers.fake_clock import FakeClock  # noqa: E402
 from helpers.receiver import AlertReceiver  # noqa: E402
 
 from mfuwatch.agent.schema import RunInfo  # noqa: E402
@@ -27,23 +28,10 @@ from mfuwatch.agent.schema import RunInfo  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 
 
-class FakeClock:
-    """Unix seconds that move only when the test says so."""
-
-    def __init__(self, start: float = 1_700_000_000.0) -> None:
-        self.t = start
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> float:
-        self.t += seconds
-        return self.t
-
-
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    """Unix seconds that move only when the test says so."""
+    return FakeClock(1_700_000_000.0)
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import email.utils
 import time
 
 import pytest
-from helpers.receiver import AlertReceiver, Reply, free_port
+from helpers.net import free_port
+from helpers.receiver import AlertReceiver, Reply
 
 from mfuwatch.alerts import AlertEngine
 from mfuwatch.alerts.config import parse_notifier

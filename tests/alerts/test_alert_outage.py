@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import time
 
-from helpers.receiver import AlertReceiver, free_port
+from helpers.net import free_port
+from helpers.receiver import AlertReceiver
 
 from mfuwatch.agent.schema import GpuHealth
 from mfuwatch.alerts import AlertEngine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers.receiver import free_port
+from helpers.net import free_port
 
 from mfuwatch.alerts.config import parse_notifier
 from mfuwatch.alerts.notifiers.webhook import WebhookNotifier

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import yaml
-from helpers.receiver import Reply, free_port
+from helpers.net import free_port
+from helpers.receiver import Reply
 from prometheus_client import generate_latest
 
 from mfuwatch.agent.schema import GpuHealth, StepMeasurement

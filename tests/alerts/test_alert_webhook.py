@@ -13,7 +13,8 @@ import subprocess
 import time
 import urllib.request
 
-from helpers.receiver import AlertReceiver, free_port
+from helpers.net import free_port
+from helpers.receiver import AlertReceiver
 
 from mfuwatch.alerts.model import AlertSnapshot, Notification, rfc3339
 from mfuwatch.alerts.notifiers.webhook import webhook_body

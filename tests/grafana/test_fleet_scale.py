@@ -42,7 +42,8 @@ import yaml
 
 from mfuwatch.alerts.fleet_rules import render_fleet
 from tests.helpers.debian_tools import ensure_binary
-from tests.helpers.receiver import AlertReceiver, free_port
+from tests.helpers.net import free_port
+from tests.helpers.receiver import AlertReceiver
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,6 @@ The demo's own HTML report is opened in headless Chromium at the end.
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from tests.helpers.debian_tools import ensure_binary
 from tests.helpers.fake_nvml import FakeNvml, make_gpus
 from tests.helpers.grafana_dashboards import (REPO, Query, legend_labels, load_dashboards, parse_label_values,
                                               queries, substitute)
+from tests.helpers.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +53,6 @@ SCRAPE_SECONDS = 1
 RATE_INTERVAL = "10s"
 #: Which run label feeds each dashboard (the GPU health panels need NVML, which only the fixture has).
 RUN_FOR = {"training-mfu.json": DEMO_RUN, "cross-rank.json": DEMO_RUN, "gpu-health.json": GPU_RUN}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -125,7 +119,7 @@ class Stack:
 def stack(tmp_path_factory):
     prometheus = ensure_binary(("prometheus",), "prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
-    demo_port, gpu_port, prom_port = _free_port(), _free_port(), _free_port()
+    demo_port, gpu_port, prom_port = free_port(), free_port(), free_port()
     gpu = FakeGpuTarget(gpu_port)
     (tmp / "test.rules.yml").write_text(yaml.safe_dump({"groups": [{"name": "grafana-e2e", "rules": [
         {"alert": "GrafanaEndToEndProbe", "expr": "mfuwatch_run_info == 1", "labels": {"severity": "info"},

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers.fake_clock import FakeClock
+
 VOCAB, D, LAYERS, HEADS, KV_HEADS, FF, SEQ = 64, 32, 2, 4, 2, 64, 16
 
 
@@ -51,22 +53,12 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-class FakeNow:
-    """A perf_counter stand-in that moves only when a test advances it (seconds)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def install_fake_clock(agent, start: bool = False) -> FakeNow:
+def install_fake_clock(agent, start: bool = False) -> FakeClock:
     """Give ``agent`` a step clock on fake time (before its first forward, which starts the clock;
     ``start=True`` starts it now, for tests that call the agent's step hooks directly)."""
     from mfuwatch.agent.clock import StepClock
 
-    now = FakeNow()
+    now = FakeClock()
     agent.clock = StepClock(agent.device, now=now)
     if start:
         agent.clock.start()

@@ -10,26 +10,18 @@ failing and then recovers::
         assert rx.wait_for_delivered(1, timeout=10)
         body = rx.delivered[0].json
 
-"Down" is a port nobody listens on: ``port = free_port()`` and start an
+"Down" is a port nobody listens on: ``port = free_port()`` (:mod:`tests.helpers.net`) and start an
 ``AlertReceiver(port=port)`` later to recover.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (nothing listens on it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -126,7 +126,6 @@ def test_even_steps_give_exactly_b_times_t_times_accumulation(tmp_path, tiny_lla
     assert m.mfu == pytest.approx(llama_flops_per_token() * 64 / STEP_SECONDS / PEAK)
 
 
-@pytest.mark.skipif(not hasattr(Agent, "mark_gap"), reason="the Agent has no mark_gap() yet (core patch pending)")
 def test_evaluation_time_is_not_training_time(tmp_path, tiny_llama):
     # every step is followed by an evaluation of 2 batches that takes 10 s of fake time each
     timeline = tmp_path / "timeline.jsonl"

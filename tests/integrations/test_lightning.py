@@ -140,7 +140,6 @@ def test_tuple_batches_and_user_model_shape(tmp_path):
     assert m.mfu == pytest.approx((6 * n + 12 * 1 * 32 * SEQ) * 4 * SEQ / STEP_SECONDS / PEAK)
 
 
-@pytest.mark.skipif(not hasattr(Agent, "mark_gap"), reason="the Agent has no mark_gap() yet (core patch pending)")
 def test_validation_time_is_not_training_time(tmp_path, tiny_llama):
     cb = MFUWatchCallback(run="pl-val", exporter=False, **AGENT)
     fake = FakeTime(cb, val_seconds=10.0)

@@ -9,48 +9,18 @@ ranks fire the alert (their timelines record it), only rank 0 sends it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import yaml
+from helpers.net import free_port_pair, scrape
 from helpers.receiver import AlertReceiver
-from prometheus_client.parser import text_string_to_metric_families
 
 from mfuwatch.agent.timeline import read_timeline
 
 RUN = "torchrun-ci"
-
-
-def _free_port_pair() -> int:
-    """A port p such that p and p + 1 are both free on 127.0.0.1 (the exporters of local ranks 0 and 1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p >= 65535:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
-
-
-def _scrape(port: int):
-    """{(name, labels as a sorted tuple): value} from one exporter, or None while it is not up."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-    except OSError:
-        return None
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def _value(samples, name, **labels):
@@ -62,7 +32,7 @@ def _value(samples, name, **labels):
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_two_exporters_one_notification_sender(tmp_path):
-    base = _free_port_pair()
+    base = free_port_pair()
     config = tmp_path / "agent.yaml"
     config.write_text(yaml.safe_dump({
         "report_every_steps": 5,
@@ -92,7 +62,7 @@ def test_torchrun_two_ranks_two_exporters_one_notification_sender(tmp_path):
             # sent a notification
             while time.monotonic() < deadline and proc.poll() is None:
                 for r in (0, 1):
-                    s = _scrape(base + r)
+                    s = scrape(f"http://127.0.0.1:{base + r}/metrics", down_ok=True)
                     if s is not None and (_value(s, "mfuwatch_mfu_ratio") or 0) > 0:
                         seen[r] = s
                 sent = _value(seen[0], "mfuwatch_notifications_total", outcome="sent") if seen[0] else None

@@ -19,8 +19,8 @@ import torch  # noqa: E402
 
 # The kernel modules may have been imported (compiled mode) by another test directory collected
 # earlier; then these tests cannot run on the CPU. Say so in each test rather than abort the session.
-_IMPORTED_TOO_EARLY = (os.environ.get("TRITON_INTERPRET") == "1" and "mfuwatch.kernels._common" in sys.modules
-                       and not sys.modules["mfuwatch.kernels._common"].INTERPRET)
+_IMPORTED_TOO_EARLY = (os.environ.get("TRITON_INTERPRET") == "1" and "mfuwatch.kernels._env" in sys.modules
+                       and not sys.modules["mfuwatch.kernels._env"].INTERPRET)
 
 
 @pytest.fixture(autouse=True)

@@ -302,7 +302,7 @@ def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
     block partial) writes the same gradient as the float64 reference; "lane"/"laneh" with the per-lane running
     log-sum-exp (rows scaled by 3, so that lanes see new maxima in later blocks)."""
     K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
-    C = importlib.import_module("mfuwatch.kernels._common")
+    C = importlib.import_module("mfuwatch.kernels._tuning")
     monkeypatch.setattr(K, "_candidates", lambda V, write=False, split=False: [(16, 1, kind, 0, 1)] if write
                         else [(16, 1, "row", 0, 1)])
     monkeypatch.setattr(C, "_TUNED", {})

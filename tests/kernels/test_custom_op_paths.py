@@ -7,7 +7,7 @@ import torch.autograd.forward_ad as fwAD
 from torch.utils.flop_counter import FlopCounterMode
 
 import mfuwatch.kernels as mk
-from mfuwatch.kernels import _common
+from mfuwatch.kernels import _dispatch, _launch
 from tests.helpers.kernel_checks import DEVICE, assert_close
 
 
@@ -23,8 +23,8 @@ def _ref_glu(g, u, act):
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
 def test_glu_backward_on_the_custom_op_path(monkeypatch, gen, triton_path, mode, act):
     # the fallback's backward used torch.autograd.grad, which fails inside a custom op (autograd is off there)
-    monkeypatch.setattr(_common, "INTERPRET", triton_path)
-    monkeypatch.setattr(_common, "COMPILE_DECOMPOSE", False)  # the custom op inside torch.compile too
+    monkeypatch.setattr(_launch, "INTERPRET", triton_path)
+    monkeypatch.setattr(_dispatch, "COMPILE_DECOMPOSE", False)  # the custom op inside torch.compile too
     g = torch.randn(5, 24, generator=gen).to(DEVICE).requires_grad_()
     u = torch.randn(5, 24, generator=gen).to(DEVICE).requires_grad_()
     dy = torch.randn(5, 24, generator=gen).to(DEVICE)
@@ -52,7 +52,7 @@ def _shares_storage(a, b):
 @pytest.mark.parametrize("mode", ["flop_counter", "compiled"])
 def test_views_of_leaves_get_their_own_gradients_on_the_custom_op_path(gen, mode, monkeypatch):
     # there leafness cannot be told, so both inputs that need a gradient get their own tensor
-    monkeypatch.setattr(_common, "COMPILE_DECOMPOSE", False)  # the custom op inside torch.compile too
+    monkeypatch.setattr(_dispatch, "COMPILE_DECOMPOSE", False)  # the custom op inside torch.compile too
     m = mk.RMSNorm((4, 8), eps=1e-6).to(DEVICE)
     a = torch.randn(96, generator=gen).to(DEVICE).requires_grad_()
     b = torch.randn(96, generator=gen).to(DEVICE).requires_grad_()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mfuwatch.kernels import _norm_launch as K
-from mfuwatch.kernels._common import pow2_at_least
+from mfuwatch.kernels._launch import pow2_at_least
 from mfuwatch.kernels._norm_triton import _sum_partials
 from tests.helpers.kernel_checks import DEVICE, assert_close
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tests.helpers.kernel_checks import DEVICE, assert_close
-from mfuwatch.kernels import _common, _norm_launch
+from mfuwatch.kernels import _launch, _norm_launch
 from mfuwatch.kernels.rms_norm import RMSNorm, rms_norm
 
 rms_norm_mod = importlib.import_module("mfuwatch.kernels.rms_norm")
@@ -145,9 +145,9 @@ def test_custom_op_path_equals_fast_path(monkeypatch, gen):
 
 
 def test_cpu_fallback_without_triton(monkeypatch, gen):
-    monkeypatch.setattr(_common, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "INTERPRET", False)
     x = torch.randn(3, 33, generator=gen)
-    assert not _common.use_triton(x)
+    assert not _launch.use_triton(x)
     assert_matches_float64(x, 1.0 + 0.1 * torch.randn(33, generator=gen), torch.float32, gen=gen)
 
 

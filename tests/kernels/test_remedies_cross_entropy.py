@@ -1,7 +1,7 @@
 """The cross-entropy suggestion: a bundled drop-in whose minimal bytes are the loss kernel's traffic."""
 
 from mfuwatch.kernels import traffic
-from tests.kernels.test_registry import by_kernel
+from tests.kernels.test_remedies import by_kernel
 
 
 def test_cross_entropy_entry_is_the_bundled_drop_in():

@@ -1,4 +1,5 @@
-"""``_common.Launcher``: which calls go through Triton's JIT and which reuse the compiled kernel.
+"""``_launch``: row views (copy only when needed), and which calls ``Launcher`` sends through Triton's JIT
+and which reuse the compiled kernel.
 
 The direct path only runs on a GPU (the interpreter has no compiled kernels), so these tests hand
 the launcher a stand-in for a ``@triton.jit`` function and for the CUDA stream getters, and check
@@ -11,8 +12,32 @@ import types
 import pytest
 import torch
 
-from mfuwatch.kernels import _common
-from mfuwatch.kernels._common import Launcher, _direct_args
+from mfuwatch.kernels import _launch
+from mfuwatch.kernels._launch import Launcher, _direct_args, as_rows, pow2_at_least
+
+
+def test_as_rows_views_without_copy_when_strides_allow():
+    x = torch.randn(2, 3, 8)
+    v, s = as_rows(x, 8)
+    assert v.shape == (6, 8) and s == 8 and v.data_ptr() == x.data_ptr()
+    wide = torch.randn(5, 12)
+    v, s = as_rows(wide[:, 2:10], 8)  # a slice of wider rows: read in place with row stride 12
+    assert s == 12 and v.data_ptr() == wide[:, 2:].data_ptr()
+    b = torch.randn(1, 8).expand(4, 8)  # broadcast rows: row stride 0
+    v, s = as_rows(b, 8)
+    assert s == 0 and v.data_ptr() == b.data_ptr()
+
+
+def test_as_rows_copies_a_strided_last_dimension():
+    t = torch.randn(8, 3).t()  # (3, 8), last-dim stride 3
+    v, s = as_rows(t, 8)
+    assert v.is_contiguous() and s == 8 and torch.equal(v, t)
+    with pytest.raises(ValueError, match=r"shape \(3, 8\) as rows of 5"):
+        as_rows(t, 5)
+
+
+def test_pow2_at_least():
+    assert [pow2_at_least(n) for n in (0, 1, 2, 17, 64, 5120)] == [1, 1, 2, 32, 64, 8192]
 
 
 class FakeCompiled:
@@ -42,7 +67,7 @@ class FakeJit:
 @pytest.fixture
 def fast(monkeypatch):
     rt = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    monkeypatch.setattr(_common, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 1234, raising=False)
 
     def make(arg_names):
@@ -181,11 +206,11 @@ def test_constexprs_not_closing_the_signature_always_jit(fast):
 
 
 def test_interpreter_or_switch_off_means_no_direct_path(monkeypatch):
-    if _common.INTERPRET:  # the CI session runs the interpreter: no compiled kernels to call
-        assert _common._triton_runtime_knobs() is None
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    monkeypatch.setattr(_common, "FAST_LAUNCH", False)
-    assert _common._triton_runtime_knobs() is None
+    if _launch.INTERPRET:  # the CI session runs the interpreter: no compiled kernels to call
+        assert _launch._triton_runtime_knobs() is None
+    monkeypatch.setattr(_launch, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "FAST_LAUNCH", False)
+    assert _launch._triton_runtime_knobs() is None
 
 
 def test_this_tritons_default_hooks_count_as_unset():
@@ -193,67 +218,4 @@ def test_this_tritons_default_hooks_count_as_unset():
     rt = getattr(getattr(triton, "knobs", None), "runtime", None)
     if rt is None:
         pytest.skip("this Triton has no knobs")
-    assert not _common._hook_set(rt.launch_enter_hook) and not _common._hook_set(rt.launch_exit_hook)
-
-
-@pytest.mark.parametrize("raw,expected", [(" 0 ", False), ("OFF", False), ("no", False), ("1", True),
-                                          (" Yes", True), ("", True)])
-def test_env_flags_accept_the_documented_values(monkeypatch, raw, expected):
-    monkeypatch.setenv("MFUWATCH_TEST_FLAG", raw)
-    assert _common.env_flag("MFUWATCH_TEST_FLAG", True) is expected
-
-
-def test_env_flag_with_an_unknown_value_warns_and_keeps_the_default(monkeypatch):
-    monkeypatch.setenv("MFUWATCH_TEST_FLAG", "disable")
-    with pytest.warns(UserWarning, match=r"MFUWATCH_TEST_FLAG='disable' is not one of 1/true/on/yes or "
-                                         r"0/false/off/no; using the default \(on\)"):
-        assert _common.env_flag("MFUWATCH_TEST_FLAG", True) is True
-
-
-def test_interpreter_index_fix_backports_the_squeeze_only_where_needed(monkeypatch):
-    """Triton <= 3.6's interpreter does ``int(one_element_array)``, a TypeError under NumPy >= 2.4.
-
-    The fix wraps the interpreter's tensor patching so that ``__index__`` squeezes first, and only for
-    Triton < 3.7 with NumPy >= 2.4 (the whole kernel suite was run against Triton 3.6.0 this way).
-    """
-    np = pytest.importorskip("numpy")
-    triton = pytest.importorskip("triton")
-    ti = pytest.importorskip("triton.runtime.interpreter")
-    monkeypatch.setattr(_common, "INTERPRET", True)
-    monkeypatch.setattr(ti, "_mfuwatch_index_fix", False, raising=False)
-    calls = []
-
-    def original(tensor, scope):  # Triton 3.6's behaviour: int() of the raw (1,)-shaped array
-        calls.append(tensor)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
-
-    monkeypatch.setattr(ti, "_patch_lang_tensor", original)
-
-    class Scope:
-        def set_attr(self, obj, name, value):
-            setattr(obj, name, value)
-
-    class T:
-        pass
-
-    scalar = T()
-    scalar.handle = types.SimpleNamespace(data=np.array([7], dtype=np.int32))
-
-    monkeypatch.setattr(triton, "__version__", "3.7.0")
-    assert _common.interpreter_index_fix() is False and ti._patch_lang_tensor is original
-
-    monkeypatch.setattr(triton, "__version__", "3.6.0")
-    monkeypatch.setattr(np, "__version__", "2.3.5")
-    assert _common.interpreter_index_fix() is False and ti._patch_lang_tensor is original
-
-    monkeypatch.setattr(np, "__version__", "2.4.0")
-    assert _common.interpreter_index_fix() is True
-    ti._patch_lang_tensor(T, Scope())
-    assert calls == [T]  # the original still runs: everything else it patches is kept
-    assert range(scalar)[-1] == 6  # range() calls __index__: 7 from the (1,)-shaped array
-    assert _common.interpreter_index_fix() is False  # applied once
-
-
-def test_interpreter_index_fix_is_off_without_the_interpreter(monkeypatch):
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    assert _common.interpreter_index_fix() is False
+    assert not _launch._hook_set(rt.launch_enter_hook) and not _launch._hook_set(rt.launch_exit_hook)

@@ -1,4 +1,4 @@
-"""The suggestions registry: plain data, bundled entries exist, byte counts agree with the kernels'."""
+"""The remedies table: plain data, bundled entries exist, byte counts agree with the kernels'."""
 
 from __future__ import annotations
 
@@ -10,22 +10,21 @@ from pathlib import Path
 import pytest
 
 import mfuwatch.kernels
-from mfuwatch.kernels import registry, traffic
-from mfuwatch.kernels.registry import REGISTRY, Remedy
+from mfuwatch.kernels import _facts, remedies, traffic
+from mfuwatch.kernels.remedies import REMEDIES, Remedy
 
-SOURCE = Path(registry.__file__)
+SOURCES = [Path(remedies.__file__), Path(_facts.__file__), Path(traffic.__file__)]
 
 
 def by_kernel(kernel: str) -> Remedy:
-    """The one registry entry with id ``kernel`` (a test helper)."""
-    (entry,) = [r for r in REGISTRY if r.kernel == kernel]
+    """The one remedies entry with id ``kernel`` (a test helper)."""
+    (entry,) = [r for r in REMEDIES if r.kernel == kernel]
     return entry
 
 
-def test_registry_source_imports_no_torch_triton_or_agent():
-    tree = ast.parse(SOURCE.read_text())
+def test_remedies_sources_import_no_torch_triton_or_agent():
     imported = set()
-    for node in ast.walk(tree):
+    for node in (n for src in SOURCES for n in ast.walk(ast.parse(src.read_text()))):
         if isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -33,8 +32,9 @@ def test_registry_source_imports_no_torch_triton_or_agent():
     assert not any(m.split(".")[0] in ("torch", "triton") or "agent" in m for m in imported), imported
 
 
-def test_importing_the_registry_loads_no_torch_or_triton():
-    code = ("import sys, mfuwatch.kernels.registry as r; next(e for e in r.REGISTRY if e.kernel == 'rms_norm').minimal_bytes(8, 4, 2, backward=True);"
+def test_importing_the_remedies_loads_no_torch_or_triton():
+    code = ("import sys, mfuwatch.kernels.remedies as r; "
+            "next(e for e in r.REMEDIES if e.kernel == 'rms_norm').minimal_bytes(8, 4, 2, backward=True);"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')"
             " or m.startswith('mfuwatch.agent')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -42,10 +42,10 @@ def test_importing_the_registry_loads_no_torch_or_triton():
 
 
 def test_bundled_entries_are_exactly_kernels_that_exist():
-    bundled = {r.kernel for r in REGISTRY if r.bundled}
+    bundled = {r.kernel for r in REMEDIES if r.bundled}
     assert bundled <= set(mfuwatch.kernels.AVAILABLE_KERNELS)
     assert {"rms_norm", "layer_norm", "swiglu", "geglu"} <= bundled
-    for r in REGISTRY:
+    for r in REMEDIES:
         if r.bundled:
             assert r.apply == f'mfuwatch.kernels.patch(model, kernels=["{r.kernel}"])'
     with pytest.raises(ValueError, match="AVAILABLE_KERNELS"):
@@ -57,19 +57,19 @@ def test_rotary_and_cross_entropy_are_bundled_drop_ins():
         r = by_kernel(k)
         assert r.kind == "bundled" and r.bundled
         assert r.apply == f'mfuwatch.kernels.patch(model, kernels=["{k}"])'
-    ids = [r.kernel for r in REGISTRY]
+    ids = [r.kernel for r in REMEDIES]
     assert len(ids) == len(set(ids))  # one entry per kernel id
 
 
 def test_existing_fixes_named_by_the_issue_are_present():
-    applies = {r.kernel: r.apply for r in REGISTRY}
+    applies = {r.kernel: r.apply for r in REMEDIES}
     assert "fused=True" in applies["fused_adamw"]
     assert "scaled_dot_product_attention" in applies["sdpa"]
     assert applies["torch_compile"] == "model = torch.compile(model)"
     assert 'mode="reduce-overhead"' in applies["cuda_graphs"]
     assert "torch.autocast" in applies["bf16_autocast"]
-    assert all(r.kind in ("existing", "bundled") and r.apply and r.title for r in REGISTRY)
-    assert len({r.kernel for r in REGISTRY}) == len(REGISTRY)
+    assert all(r.kind in ("existing", "bundled") and r.apply and r.title for r in REMEDIES)
+    assert len({r.kernel for r in REMEDIES}) == len(REMEDIES)
 
 
 def test_bundled_minimal_bytes_are_the_kernels_traffic_counts():

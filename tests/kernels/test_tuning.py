@@ -1,42 +1,21 @@
-"""Launch plumbing: row views (copy only when needed) and the launch-setting tuner's choices."""
+"""``_tuning``: the launch-setting tuner's choices, its shape classes, and ``gpu_ms``."""
 
 import types
 
 import pytest
 import torch
 
-from mfuwatch.kernels import _common
-from mfuwatch.kernels._common import as_rows, pow2_at_least, row_bucket, tuned
+from mfuwatch.kernels import _tuning
+from mfuwatch.kernels._tuning import row_bucket, tuned
 from tests.helpers.kernel_checks import DEVICE
 
 
-def test_as_rows_views_without_copy_when_strides_allow():
-    x = torch.randn(2, 3, 8)
-    v, s = as_rows(x, 8)
-    assert v.shape == (6, 8) and s == 8 and v.data_ptr() == x.data_ptr()
-    wide = torch.randn(5, 12)
-    v, s = as_rows(wide[:, 2:10], 8)  # a slice of wider rows: read in place with row stride 12
-    assert s == 12 and v.data_ptr() == wide[:, 2:].data_ptr()
-    b = torch.randn(1, 8).expand(4, 8)  # broadcast rows: row stride 0
-    v, s = as_rows(b, 8)
-    assert s == 0 and v.data_ptr() == b.data_ptr()
-
-
-def test_as_rows_copies_a_strided_last_dimension():
-    t = torch.randn(8, 3).t()  # (3, 8), last-dim stride 3
-    v, s = as_rows(t, 8)
-    assert v.is_contiguous() and s == 8 and torch.equal(v, t)
-    with pytest.raises(ValueError, match=r"shape \(3, 8\) as rows of 5"):
-        as_rows(t, 5)
-
-
-def test_small_helpers():
-    assert [pow2_at_least(n) for n in (0, 1, 2, 17, 64, 5120)] == [1, 1, 2, 32, 64, 8192]
+def test_row_buckets():
     assert [row_bucket(r) for r in (0, 1, 3, 4096, 4097, 10**9)] == [1, 1, 4, 4096, 8192, 1 << 17]
 
 
 class FakeBench:
-    """Stands in for ``_common.gpu_ms``: each candidate's 'time' is looked up."""
+    """Stands in for ``_tuning.gpu_ms``: each candidate's 'time' is looked up."""
 
     def __init__(self, times):
         self.times, self.calls = times, []
@@ -52,15 +31,15 @@ class FakeBench:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    monkeypatch.setattr(_common, "_TUNED", {})
-    monkeypatch.setattr(_common, "AUTOTUNE", True)
+    monkeypatch.setattr(_tuning, "_TUNED", {})
+    monkeypatch.setattr(_tuning, "AUTOTUNE", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return types.SimpleNamespace(type="cuda", index=0)
 
 
 def run_tuner(monkeypatch, device, times, elements=1 << 22, key="k"):
     bench = FakeBench(times)
-    monkeypatch.setattr(_common, "gpu_ms", bench)
+    monkeypatch.setattr(_tuning, "gpu_ms", bench)
 
     def launch(c):
         bench.current = c
@@ -76,7 +55,7 @@ def test_tuner_picks_the_fastest_skips_failures_and_caches(monkeypatch, fake_cud
     assert best == "c" and bench.calls == []
     best, bench = run_tuner(monkeypatch, fake_cuda, times, key="other")  # a new key is timed
     assert best == "c" and len(bench.calls) == 4
-    assert ("test_kernel", 0, "k") in _common.tuned_settings()
+    assert ("test_kernel", 0, "k") in _tuning.tuned_settings()
 
 
 def test_tuner_uses_the_default_when_it_must_not_time(monkeypatch, fake_cuda):
@@ -88,7 +67,7 @@ def test_tuner_uses_the_default_when_it_must_not_time(monkeypatch, fake_cuda):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # CUDA-graph capture
     best, bench = run_tuner(monkeypatch, fake_cuda, times)
     assert best == "a" and bench.calls == []
-    monkeypatch.setattr(_common, "AUTOTUNE", False)
+    monkeypatch.setattr(_tuning, "AUTOTUNE", False)
     best, bench = run_tuner(monkeypatch, fake_cuda, times)
     assert best == "a" and bench.calls == []
 
@@ -103,7 +82,7 @@ def test_gpu_ms_ranks_work_by_its_size_and_counts_calls():
         calls[name] += 1
         t.fill_(1.0)
 
-    ms_small, ms_big = _common.gpu_ms(lambda: fill("small", small)), _common.gpu_ms(lambda: fill("big", big))
+    ms_small, ms_big = _tuning.gpu_ms(lambda: fill("small", small)), _tuning.gpu_ms(lambda: fill("big", big))
     assert 0 < ms_small < ms_big
     for n in calls.values():  # a warm-up call, a sizing call, then 3 rounds of k calls, 3 <= k <= 200
         assert (n - 2) % 3 == 0 and 3 <= (n - 2) // 3 <= 200, calls
@@ -116,4 +95,4 @@ def test_gpu_ms_raises_what_the_launch_raises(monkeypatch):
         raise RuntimeError("out of resources")
 
     with pytest.raises(RuntimeError, match="out of resources"):
-        _common.gpu_ms(broken)
+        _tuning.gpu_ms(broken)
