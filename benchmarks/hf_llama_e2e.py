@@ -22,7 +22,11 @@ vocabulary 32000 or 128256, SDPA attention; batch 4 x 2048 tokens under bf16 aut
                    whole process, which is why every configuration runs in a process of its own
 ``compile``        ``torch.compile(model)``
 ``compile_patch``  ``patch(model)``, then ``torch.compile``
+``*_recompute``    the same with ``patch(model, lm_head_mode="recompute")`` (no logits in memory)
 =================  ==================================================================================
+
+``--model qwen3`` builds a ``Qwen3ForCausalLM`` of the same size instead (q/k RMSNorms, head_dim 128, tied
+embeddings; ``apply_liger_kernel_to_qwen3`` for Liger).
 
 Each child process seeds the same generator before building the model and drawing the batch, so every
 configuration starts from the same weights and trains on the same tokens (the first loss is printed to show
@@ -45,13 +49,18 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _hf_step import time_steps, train_step  # noqa: E402  (the step and timing shared with gain_truth)
 
-CONFIGS = ("eager", "eager_patch", "eager_liger", "compile", "compile_patch")
+CONFIGS = ("eager", "eager_patch", "eager_liger", "compile", "compile_patch", "eager_patch_recompute",
+           "compile_patch_recompute")
+MODELS = ("llama", "qwen3")
 
 P = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 P.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round (default 10)")
 P.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning; default 3)")
 P.add_argument("--rounds", type=int, default=1, help="interleaved rounds of all configurations (default 1)")
 P.add_argument("--vocab", default="32000,128256", help="comma-separated vocabulary sizes (default 32000,128256)")
+P.add_argument("--model", default="llama", choices=MODELS,
+               help="llama (16/4 heads of 128) or qwen3 (q/k norms, head_dim 128, tied embeddings; "
+                    "use --vocab 151936 for Qwen3's vocabulary)")
 P.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
 P.add_argument("--tiny", action="store_true", help="CPU, Triton interpreter, a 2-layer d=32 model (plumbing check)")
 P.add_argument("--timeout", type=int, default=600, help="seconds allowed per child process (default 600)")
@@ -80,10 +89,10 @@ def child(args) -> dict:
 
     dev = "cpu" if args.tiny else "cuda"
     if config == "eager_liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers as lt
 
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
+        apply = lt.apply_liger_kernel_to_qwen3 if args.model == "qwen3" else lt.apply_liger_kernel_to_llama
+        apply(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
     if args.tiny:
         shape = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=64)
@@ -92,19 +101,25 @@ def child(args) -> dict:
         shape = dict(num_hidden_layers=8, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                      intermediate_size=5632)
         batch, seq = 4, 2048
-    cfg = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq, **shape)
+    if args.model == "qwen3":
+        cfg = transformers.Qwen3Config(vocab_size=vocab, max_position_embeddings=seq, tie_word_embeddings=True,
+                                       head_dim=shape["hidden_size"] // shape["num_attention_heads"], **shape)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq, **shape)
+        cls = transformers.LlamaForCausalLM
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(dev):
-        model = transformers.LlamaForCausalLM(cfg)
+        model = cls(cfg)
     model.train()
     gen = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen, device=dev)
     swapped = ""
-    if config.endswith("_patch"):
+    if "_patch" in config:
         import mfuwatch.kernels as mk
 
-        report = mk.patch(model)
+        report = mk.patch(model, lm_head_mode="recompute" if config.endswith("_recompute") else "chunked")
         swapped = ", ".join(f"{k} x{report.count(k)}" for k in dict.fromkeys(s.kernel for s in report.swapped))
     fwd = model
     if config.startswith("compile"):
@@ -155,7 +170,7 @@ def child(args) -> dict:
 
 def run_child(config: str, vocab: int, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{config}:{vocab}", "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
+           "--warmup", str(args.warmup), "--model", args.model] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -228,7 +243,7 @@ def main() -> int:
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu (interpreter)"
-    text = (f"# Hugging Face Llama end to end ({dev}, torch {torch.__version__})\n\n"
+    text = (f"# Hugging Face {dict(llama='Llama', qwen3='Qwen3')[args.model]} end to end ({dev}, torch {torch.__version__})\n\n"
             f"{'tiny 2-layer d=32, batch 2 x 16, fp32' if args.tiny else '8 layers, d=2048, 16/4 heads, ff 5632, batch 4 x 2048, bf16 autocast, fused AdamW'}; "
             f"{args.steps} timed steps after {args.warmup} warm-up, {args.rounds} round(s), each configuration "
             f"in its own process.\n\n" + table(results, configs, vocabs, args))

@@ -53,7 +53,7 @@ def _tanh_sech2(u):
     a difference of two numbers within an ulp of 1: an absolute error of ~1e-7 on a value that may be
     1e-10, which the gradient of a saturated softcap lane would carry)."""
     e = tl.exp(-2.0 * tl.abs(u))
-    r = 1.0 / (1.0 + e)
+    r = tl.fdiv(tl.full(e.shape, 1.0, tl.float32), 1.0 + e)  # the fast reciprocal (not IEEE division)
     th = (1.0 - e) * r
     return tl.where(u < 0, -th, th), 4.0 * e * r * r
 
@@ -86,7 +86,7 @@ def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
         else:
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            th, dzdx = _tanh_sech2(x / softcap)
+            th, dzdx = _tanh_sech2(x * (1.0 / softcap))
             z = softcap * th
         else:
             z = x
@@ -107,7 +107,7 @@ def _ce_fwd_kernel(
     # SCALE: (1,) fp32, the gradient's factor (1 / count for the mean)
     rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap,
     HAS_SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr, REVERSE: tl.constexpr,
+    STAGES: tl.constexpr, REVERSE: tl.constexpr, LANES: tl.constexpr = False,
 ):
     # program p takes rows p, p + P, p + 2P, ... (P programs): P bounds the rows in flight, so that a row's
     # second read (the gradient pass) can still find it in L2
@@ -118,27 +118,52 @@ def _ce_fwd_kernel(
         ignored = t == ignore_index
         valid = (t >= 0) & (t < V)
         t_safe = tl.where(valid, t, 0)
-        mx = -float("inf")
-        s = 0.0
-        zsum = 0.0
-        for start in tl.range(0, V, BLOCK, num_stages=STAGES):  # STAGES > 1: loads issued ahead (pipelined)
-            cols = start + tl.arange(0, BLOCK)
-            m = cols < V
-            if HINTS and WRITE_GRAD:  # keep the row in L2 for the gradient pass
-                x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            else:
-                x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x = softcap * _tanh(x / softcap)
-            zsum += tl.sum(tl.where(m, x, 0.0), 0)
-            x = tl.where(m, x, -float("inf"))
-            new_mx = tl.maximum(mx, tl.max(x, 0))
-            s = s * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), 0)
-            mx = new_mx
+        if LANES:
+            # per-lane running max and rescaled sum, one exp per element (e = exp(-|x - m|): a new max rescales
+            # the old sum by e and counts 1, else e is added) and no cross-lane reduction until the row's end
+            mv = tl.full((BLOCK,), -float("inf"), tl.float32)
+            sv = tl.zeros((BLOCK,), tl.float32)
+            zv = tl.zeros((BLOCK,), tl.float32)
+            for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+                cols = start + tl.arange(0, BLOCK)
+                m = cols < V
+                if HINTS and WRITE_GRAD:
+                    x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = softcap * _tanh(x * (1.0 / softcap))
+                zv += tl.where(m, x, 0.0)
+                d = x - mv
+                e = tl.exp(-tl.abs(d))
+                up = d > 0
+                sv = tl.where(m, tl.where(up, sv * e + 1.0, sv + e), sv)
+                mv = tl.where(m & up, x, mv)
+            mx = tl.max(mv, 0)
+            s = tl.sum(tl.where(sv > 0, sv * tl.exp(mv - mx), 0.0), 0)
+            zsum = tl.sum(zv, 0)
+        else:
+            mx = -float("inf")
+            s = 0.0
+            zsum = 0.0
+            for start in tl.range(0, V, BLOCK, num_stages=STAGES):  # STAGES > 1: loads issued ahead (pipelined)
+                cols = start + tl.arange(0, BLOCK)
+                m = cols < V
+                if HINTS and WRITE_GRAD:  # keep the row in L2 for the gradient pass
+                    x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = softcap * _tanh(x * (1.0 / softcap))
+                zsum += tl.sum(tl.where(m, x, 0.0), 0)
+                x = tl.where(m, x, -float("inf"))
+                new_mx = tl.maximum(mx, tl.max(x, 0))
+                s = s * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), 0)
+                mx = new_mx
         lse = mx + tl.log(s)
         zt = tl.load(x_row + t_safe).to(tl.float32)
         if HAS_SOFTCAP:
-            zt = softcap * _tanh(zt / softcap)
+            zt = softcap * _tanh(zt * (1.0 / softcap))
         loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
         loss = tl.where(valid, loss, float("nan"))
         loss = tl.where(ignored, 0.0, loss)
@@ -171,7 +196,7 @@ def _ce_fwd_split_kernel(
     m = cols < V
     x = tl.load(X + row * stride_x + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_SOFTCAP:
-        th, dzdx = _tanh_sech2(x / softcap)
+        th, dzdx = _tanh_sech2(x * (1.0 / softcap))
         z = softcap * th
     else:
         z = x
@@ -255,7 +280,9 @@ _SCALE = Launcher(_scale_kernel)
 #: eviction hints when writing the gradient), loads pipelined ``stages`` deep when > 1; kind "split":
 #: S = ceil(V / BLOCK) programs per row, each holding its BLOCK columns in registers (gradient-writing launches
 #: on a GPU only); kinds "rev" and "revh": as "row", the gradient pass walking the row backwards ("revh" also
-#: with the L2 eviction hints on a grid of one program per row).
+#: with the L2 eviction hints on a grid of one program per row); kinds "lane" and "laneh": as "rev" and "revh"
+#: with the forward's log-sum-exp kept per lane (one running max and sum per element of the block, reduced once at
+#: the row's end instead of twice per block).
 #: (BLOCK, num_warps) of the split kernel's candidates: none by default. Measured on the H200 (run 2 sweep,
 #: 8192 x 128256 bf16 fwd+bwd): 2.73-3.75 ms against 1.86 ms for one program per row, so it is not tried.
 SPLIT_SETTINGS: tuple = ()
@@ -267,6 +294,7 @@ MAX_SPIN = 1 << 16
 #: first. Measured on the H200 (docs/gpu-runs/cross_entropy-run3.md, 8192 x 128256 bf16 fwd+bwd): one program
 #: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
 #: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
+#: The per-lane log-sum-exp (kinds "lane", "laneh") was 1.88-2.95 ms in every setting (cross_entropy-run5.md): none tried.
 WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
                          (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
                          (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
@@ -404,8 +432,10 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
         grid = rows if pps == 0 else min(rows, pps * sm_count(x.device))
         _FWD(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
                     cap),
-             {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write, "HINTS": write and (pps > 0 or kind == "revh"),
-              "BLOCK": block, "STAGES": stages, "REVERSE": write and kind in ("rev", "revh")}, warps)
+             {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write,
+              "HINTS": write and (pps > 0 or kind in ("revh", "laneh")),
+              "BLOCK": block, "STAGES": stages, "REVERSE": write and kind in ("rev", "revh", "lane", "laneh"),
+              "LANES": kind in ("lane", "laneh")}, warps)
 
     with device_guard(x):
         if write and dx.data_ptr() == x2.data_ptr():  # in place: a timing run would read its own output

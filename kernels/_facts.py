@@ -124,8 +124,8 @@ class KernelFacts:
         exports: the names :mod:`mfuwatch.kernels` serves from the declaring module (functional, module,
             ``autograd.Function``); ``exports_from`` maps other modules (``".stem"``) to names served from them.
         patch: the module (``".stem"``) holding the kernel's patch rule, or None (no module pattern); a rule
-            module defines ``swap_candidate(module)`` or ``patch_model(model, wanted, verify, report)`` with
-            ``unpatch_model(model)`` (:mod:`.patching`).
+            module defines ``swap_candidate(module)`` or ``patch_model(model, wanted, verify, report,
+            **options)`` with ``unpatch_model(model)`` (:mod:`._patch_types`, :mod:`.patching`).
         patch_note: what ``patch`` notes when the kernel is requested and has no rule.
     """
 

@@ -43,12 +43,17 @@ KERNEL = "cross_entropy"
 _MARK = "_mfuwatch_lm_head"
 
 
-class LMHead(nn.Module):
+class LMHead(nn.Linear):
     """The LM head ``nn.Linear`` of a patched model: ``F.linear(x, weight, bias)``, or, while the patched
-    forward collects into :attr:`box`, the input appended to it and an empty (..., 0) tensor returned."""
+    forward collects into :attr:`box`, the input appended to it and an empty (..., 0) tensor returned.
+
+    A subclass of ``nn.Linear`` (built around the original's parameters, none allocated), so that whatever
+    reads a model's linears still finds the head: the agent's analytic FLOP count
+    (``mfuwatch.agent.architectures``, which places every 2-D weight by its module's class and would otherwise
+    fall back to the counted path), PEFT's and FSDP's module rules, ``isinstance`` checks."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate and initialise a new weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         if linear.bias is not None:
@@ -103,15 +108,18 @@ def _causal_lms(model: nn.Module):
             yield name, m
 
 
-def patch_model(model: nn.Module, wanted, verify: bool, report: PatchReport) -> None:
-    """The ``cross_entropy`` patch rule (:mod:`._patch_types`): :func:`patch_lm_heads` when requested."""
+def patch_model(model: nn.Module, wanted, verify: bool, report: PatchReport, *,
+                lm_head_mode: str = "chunked", **_options) -> None:
+    """The ``cross_entropy`` patch rule (:mod:`._patch_types`): :func:`patch_lm_heads` when requested, the loss
+    in ``lm_head_mode`` (:func:`~mfuwatch.kernels.patch`'s keyword of that name)."""
     if KERNEL in wanted:
-        patch_lm_heads(model, report)
+        patch_lm_heads(model, report, lm_head_mode)
 
 
-def patch_lm_heads(model: nn.Module, report: PatchReport) -> None:
+def patch_lm_heads(model: nn.Module, report: PatchReport, mode: str = "chunked") -> None:
     """Wire every recognised causal LM in ``model`` (the model itself or a submodule); record in ``report``
-    what was swapped or left, and why."""
+    what was swapped or left, and why. ``mode``: the :func:`~mfuwatch.kernels.linear_cross_entropy` mode the
+    loss runs in ("chunked" or "recompute")."""
     found = False
     for name, m in _causal_lms(model):
         found = True
@@ -122,11 +130,12 @@ def patch_lm_heads(model: nn.Module, report: PatchReport) -> None:
         if reason is not None:
             report.left.append(Left(label, type(m).__name__, KERNEL, reason))
             continue
-        _wire(m)
+        _wire(m, mode)
         cap = _softcap_of(m.config)
+        what = ", ".join(([f"softcap {cap:g}"] if cap else []) + ([f"mode {mode}"] if mode != "chunked" else []))
         report.swapped.append(Swapped(label, f"{type(m).__name__}.lm_head + loss",
-                                      "mfuwatch.kernels.linear_cross_entropy"
-                                      + (f" (softcap {cap:g})" if cap else ""), KERNEL))
+                                      "mfuwatch.kernels.linear_cross_entropy" + (f" ({what})" if what else ""),
+                                      KERNEL))
     if found:
         report.notes.append("cross_entropy: with labels, the patched forward returns logits=None unless called "
                             "with return_logits=True")
@@ -136,7 +145,7 @@ def patch_lm_heads(model: nn.Module, report: PatchReport) -> None:
                             "mfuwatch.kernels.cross_entropy(logits, targets) in model code")
 
 
-def _wire(m: nn.Module) -> None:
+def _wire(m: nn.Module, mode: str = "chunked") -> None:
     original_head = m.lm_head
     head = LMHead(original_head)
     head.train(original_head.training)
@@ -162,7 +171,7 @@ def _wire(m: nn.Module) -> None:
         finally:
             head.box = None
         hidden = box[0]
-        loss = causal_lm_loss(hidden, head.weight, head.bias, labels, cap, extra)
+        loss = causal_lm_loss(hidden, head.weight, head.bias, labels, cap, extra, mode)
         logits = None
         if return_logits:
             logits = F.linear(hidden, head.weight, head.bias)
@@ -186,12 +195,12 @@ def _wire(m: nn.Module) -> None:
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-                   softcap: Optional[float], kwargs: dict) -> torch.Tensor:
+                   softcap: Optional[float], kwargs: dict, mode: str = "chunked") -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` over ``hidden @ weight.T (+ bias)`` (softcapped), without the logits.
 
     hidden: (B, T, H); labels: (B, T) token ids, -100 (or ``kwargs["ignore_index"]``) where unlabelled;
     ``kwargs`` may hold ``shift_labels`` (used as given) and ``num_items_in_batch`` (a tensor or int: the
-    loss is then the sum over it). Returns an fp32 0-d loss.
+    loss is then the sum over it). ``mode``: :func:`linear_cross_entropy`'s. Returns an fp32 0-d loss.
     """
     ii = kwargs.get("ignore_index", -100)
     shift = kwargs.get("shift_labels")
@@ -201,8 +210,9 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     h = hidden.reshape(-1, hidden.shape[-1])
     n = kwargs.get("num_items_in_batch")
     if n is None:
-        return linear_cross_entropy(h, weight, target, bias, ignore_index=ii, softcap=softcap)
-    total = linear_cross_entropy(h, weight, target, bias, ignore_index=ii, reduction="sum", softcap=softcap)
+        return linear_cross_entropy(h, weight, target, bias, ignore_index=ii, softcap=softcap, mode=mode)
+    total = linear_cross_entropy(h, weight, target, bias, ignore_index=ii, reduction="sum", softcap=softcap,
+                                 mode=mode)
     return total / (n.to(total.device) if torch.is_tensor(n) else n)
 
 

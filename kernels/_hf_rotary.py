@@ -198,9 +198,10 @@ def wire(name: str, m: nn.Module, verify: bool, tol: Callable[[torch.dtype], flo
     return None
 
 
-def patch_model(model: nn.Module, wanted: Sequence[str], verify: bool, report: PatchReport) -> None:
+def patch_model(model: nn.Module, wanted: Sequence[str], verify: bool, report: PatchReport, **_options) -> None:
     """The ``rotary`` patch rule (:mod:`._patch_types`): wire every candidate attention module of ``model``
-    when ``"rotary"`` is in ``wanted``, and record in ``report`` what was wired or left, and why."""
+    when ``"rotary"`` is in ``wanted``, and record in ``report`` what was wired or left, and why (none of
+    :func:`~.patching.patch`'s rule options concerns it)."""
     for name, m in candidates(model):
         if "rotary" not in wanted:
             report.left.append(Left(name, type(m).__name__, "rotary", not_requested(wanted)))

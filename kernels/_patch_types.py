@@ -7,9 +7,11 @@ A kernel's patch rule lives in the module its ``FACTS.patch`` names (:mod:`._fac
   (in the order of the kernel list; the first rule that returns a :class:`Candidate` owns the module).
   :mod:`.patching` then checks, probes and swaps the module (:mod:`.rms_norm`, :mod:`.layer_norm`,
   :mod:`.glu`);
-* a **wiring rule**: ``patch_model(model, wanted, verify, report)`` and ``unpatch_model(model) -> int``,
-  for kernels wired into the model's own forward instead of a module swap (:mod:`._hf_rotary`,
-  :mod:`._hf_lm_head`).
+* a **wiring rule**: ``patch_model(model, wanted, verify, report, **options)`` and
+  ``unpatch_model(model) -> int``, for kernels wired into the model's own forward instead of a module swap
+  (:mod:`._hf_rotary`, :mod:`._hf_lm_head`). ``options`` are :func:`~.patching.patch`'s rule keywords, the
+  same to every wiring rule (today ``lm_head_mode``, which :mod:`._hf_lm_head` reads); a rule takes those it
+  knows and ignores the rest.
 """
 
 from __future__ import annotations

@@ -43,7 +43,49 @@ from torch import Tensor, nn
 from . import _cross_entropy_triton as K
 from . import _flops
 from ._dispatch import first_order_only, needs_grad, use_custom_op
+from ._launch import use_triton
 from .cross_entropy import ce_flops, check_options, reduce_rows
+
+#: Values of ``mode``: "chunked" (the default: row chunks of logits formed by cuBLAS GEMMs, the gradient
+#: written over them, then the dhidden/dweight GEMMs) and "recompute" (no logits tile ever in device memory:
+#: fused GEMM + online log-sum-exp tiles forward, the tiles formed again in the backward; see
+#: :mod:`._lce_recompute_triton`).
+MODES = ("chunked", "recompute")
+
+
+def check_mode(mode, name: str = "mode") -> str:
+    """``mode`` if it is one of :data:`MODES`, else ValueError naming the argument (``name``), the accepted
+    values and the nearest one."""
+    if mode in MODES:
+        return mode
+    import difflib
+
+    near = difflib.get_close_matches(str(mode), MODES, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ValueError(f"{name}={mode!r}{hint}: expected one of {MODES}")
+
+
+def _recompute_forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], opts,
+                       dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """(loss rows fp32 (N,), lse fp32 (N,)) of mode "recompute": no logits in memory on the Triton path (the
+    chunked forward elsewhere, which has no gradient pass)."""
+    if not use_triton(hidden) or hidden.shape[0] == 0:
+        rows, lse, _, _, _ = _chunked(hidden, weight, target, bias, opts, dtype, None, None, None, (False,) * 3)
+        return rows, lse
+    from . import _lce_recompute_triton as R
+
+    return R.lse_forward(hidden, weight, bias, target, dtype, *opts)
+
+
+def _recompute_backward(coef: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+                        lse: Tensor, opts, dtype: torch.dtype, need: Tuple[bool, bool, bool]):
+    """(dhidden, dweight, dbias) of ``sum(coef * loss_rows)`` (None where not in ``need``) of mode "recompute"."""
+    if not use_triton(hidden) or hidden.shape[0] == 0:
+        _, _, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, None, coef, lse, need)
+        return dh, dw, db
+    from . import _lce_recompute_triton as R
+
+    return R.grad_backward(hidden, weight, bias, target, lse, coef, dtype, *opts, need)
 
 #: Elements of logits per chunk: rows per chunk = the largest power of two with rows x V <= this, but at least
 #: MIN_CHUNK_ROWS. 2^27 is 256 MiB of bf16 logits (4096 rows at V = 32000); at V = 128256 the floor of 2048 rows
@@ -281,12 +323,16 @@ def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 @torch.library.custom_op("mfuwatch::linear_cross_entropy", mutates_args=())
 def _lce_op(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int,
             label_smoothing: float, z_loss: float, softcap: float, dtype: torch.dtype, mean: bool,
-            grads: List[bool], fused: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            grads: List[bool], fused: bool, mode: str = "chunked") -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dhidden, dweight, dbias). ``grads``: which of hidden, weight, bias need a gradient. With
-    ``fused`` (reductions "mean"/"sum"): ``loss`` is the reduced 0-d loss and the gradients in ``grads`` are
-    formed (for an upstream gradient of 1); else ``loss`` holds the (N,) per-row losses, the gradients are
-    empty and the backward op recomputes."""
+    ``fused`` (reductions "mean"/"sum", mode "chunked"): ``loss`` is the reduced 0-d loss and the gradients in
+    ``grads`` are formed (for an upstream gradient of 1); else ``loss`` holds the (N,) per-row losses, the
+    gradients are empty and the backward op recomputes (``mode`` "recompute": without logits in memory)."""
     opts = (ignore_index, label_smoothing, z_loss, softcap)
+    if mode == "recompute":
+        rows, lse = _recompute_forward(hidden, weight, target, bias, opts, dtype)
+        e = hidden.new_empty(0)
+        return rows, lse, e, weight.new_empty(0), weight.new_empty(0)
     need = tuple(g and fused for g in grads)
     scale = _scale(target, ignore_index, mean) if fused else None
     rows, lse, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, scale, None, None, need)
@@ -295,7 +341,8 @@ def _lce_op(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tenso
 
 
 @_lce_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, dtype, mean, grads, fused):
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, dtype, mean, grads, fused,
+      mode="chunked"):
     n = hidden.shape[0]
     f32 = torch.float32
     grads = [g and fused for g in grads]
@@ -307,14 +354,20 @@ def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softc
 @torch.library.custom_op("mfuwatch::linear_cross_entropy_backward", mutates_args=())
 def _lce_bwd_op(grad_rows: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                 lse: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
-                dtype: torch.dtype, grads: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+                dtype: torch.dtype, grads: List[bool], mode: str = "chunked") -> Tuple[Tensor, Tensor, Tensor]:
     opts = (ignore_index, label_smoothing, z_loss, softcap)
-    _, _, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, None, grad_rows.float(), lse, tuple(grads))
+    if mode == "recompute":
+        dh, dw, db = _recompute_backward(grad_rows.float(), hidden, weight, target, bias, lse, opts, dtype,
+                                         tuple(grads))
+    else:
+        _, _, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, None, grad_rows.float(), lse,
+                                    tuple(grads))
     return _empty(dh, hidden), _empty(dw, weight), _empty(db, weight)
 
 
 @_lce_bwd_op.register_fake
-def _(grad_rows, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss, softcap, dtype, grads):
+def _(grad_rows, hidden, weight, target, bias, lse, ignore_index, label_smoothing, z_loss, softcap, dtype, grads,
+      mode="chunked"):
     return (hidden.new_empty(hidden.shape if grads[0] else 0), weight.new_empty(weight.shape if grads[1] else 0),
             weight.new_empty((weight.shape[0],) if grads[2] else 0, dtype=bias.dtype if bias is not None else None))
 
@@ -328,9 +381,10 @@ def _scale(target: Tensor, ignore_index: int, mean: bool) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, ii, eps, zl, cap, dtype, mean, grads, fused = inputs
+    hidden, weight, target, bias, ii, eps, zl, cap, dtype, mean, grads, fused, *mode = inputs
     loss, lse, dh, dw, db = output
     ctx.fused = fused
+    ctx.mode = mode[0] if mode else "chunked"
     ctx.opts, ctx.dtype, ctx.grads = (ii, eps, zl, cap), dtype, list(grads)
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(lse, dh, dw, db)
@@ -348,15 +402,16 @@ def _backward(ctx, grad_rows, *_unused):
     else:
         hidden, weight, target, bias, lse = ctx.saved_tensors
         dh, dw, db = torch.ops.mfuwatch.linear_cross_entropy_backward(
-            grad_rows, hidden, weight, target, bias, lse, *ctx.opts, ctx.dtype, ctx.grads)
+            grad_rows, hidden, weight, target, bias, lse, *ctx.opts, ctx.dtype, ctx.grads, ctx.mode)
         out = [t if need else None for t, need in zip((dh, dw, db), ctx.grads)]
-    return out[0], out[1], None, (out[2] if ctx.has_bias else None), None, None, None, None, None, None, None, None
+    return (out[0], out[1], None, (out[2] if ctx.has_bias else None), None, None, None, None, None, None, None, None,
+            None)
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _fwd_flops(h, w, t, b, ii, eps, zl, cap, dtype, mean, grads, fused, out_shape=None, **kw):
+def _fwd_flops(h, w, t, b, ii, eps, zl, cap, dtype, mean, grads, fused, mode="chunked", out_shape=None, **kw):
     n, v = _flops.numel(h[:-1]), w[0]
     gemm = 2 * n * h[-1] * v
     total = gemm + n * v * ce_flops("forward", cap)
@@ -366,7 +421,7 @@ def _fwd_flops(h, w, t, b, ii, eps, zl, cap, dtype, mean, grads, fused, out_shap
     return total
 
 
-def _bwd_flops(g, h, w, t, b, lse, ii, eps, zl, cap, dtype, grads, out_shape=None, **kw):
+def _bwd_flops(g, h, w, t, b, lse, ii, eps, zl, cap, dtype, grads, mode="chunked", out_shape=None, **kw):
     n, v = _flops.numel(h[:-1]), w[0]
     gemm = 2 * n * h[-1] * v
     return (n * v * ce_flops("backward", cap)
@@ -378,6 +433,37 @@ _flops.register(torch.ops.mfuwatch.linear_cross_entropy_backward, _bwd_flops)
 
 
 # ---------------------------------------------------------------- eager path
+
+class RecomputeLinearCrossEntropyFunction(torch.autograd.Function):
+    """``apply(hidden (N, H), weight (V, H), target (N,), bias or None, ignore_index, label_smoothing, z_loss,
+    softcap, dtype, reduction) -> loss`` of mode "recompute": the forward saves only the per-row log-sum-exp
+    (and the mean's scale); the backward forms the logits tiles again. Any number of backwards through a
+    retained graph (nothing is handed over)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ii, eps, zl, cap, dtype, reduction):
+        opts = (ii, eps, zl, cap)
+        ctx.opts, ctx.dtype, ctx.reduction = opts, dtype, reduction
+        ctx.need = tuple(bool(ctx.needs_input_grad[i]) for i in (0, 1, 3))
+        rows, lse = _recompute_forward(hidden, weight, target, bias, opts, dtype)
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, target, bias, lse, None)
+            return rows
+        scale = _scale(target, ii, reduction == "mean")
+        ctx.save_for_backward(hidden, weight, target, bias, lse, scale)
+        return rows.sum() * scale if reduction == "mean" else rows.sum()
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, g):
+        hidden, weight, target, bias, lse, scale = ctx.saved_tensors
+        if ctx.reduction == "none":
+            coef = g.float().reshape(-1)
+        else:
+            coef = (g.float() * scale).reshape(1).expand(hidden.shape[0])
+        dh, dw, db = _recompute_backward(coef, hidden, weight, target, bias, lse, ctx.opts, ctx.dtype, ctx.need)
+        return dh, dw, None, db, None, None, None, None, None, None
+
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """``apply(hidden (N, H), weight (V, H), target (N,), bias (V,) or None, ignore_index, label_smoothing,
@@ -419,7 +505,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                         z_loss: float = 0.0, softcap: Optional[float] = None) -> Tensor:
+                         z_loss: float = 0.0, softcap: Optional[float] = None, mode: str = "chunked") -> Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without materialising the logits.
 
     Args:
@@ -428,15 +514,22 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
         target: int64/int32 class indices shaped like ``hidden.shape[:-1]`` (already shifted for causal
             LM training), ``ignore_index`` for positions without a label.
         ignore_index, reduction, label_smoothing, z_loss, softcap: as :func:`mfuwatch.kernels.cross_entropy`.
+        mode: "chunked" (default: fastest; one chunk of logits, 2048 rows at V = 128256, alive at a time) or
+            "recompute" (for runs short of memory: no logits tile ever in device memory; the backward forms
+            them again, one GEMM more; fp32 gradient accumulators of a few tens of MiB, see
+            :mod:`._lce_recompute_triton`). Same loss and gradients up to rounding; in "recompute" the logits
+            are never rounded to the compute dtype (fp32 accumulators straight into the loss).
     Returns:
         fp32 loss: 0-d for "mean"/"sum", shaped like ``target`` for "none". Gradients flow to ``hidden``,
         ``weight`` and ``bias`` in their own dtypes (dW and db accumulated in fp32). The GEMMs run in the
         autocast dtype under autocast, else in the inputs' promoted dtype.
     Raises:
-        ValueError: bad options, shapes, dtypes or devices (the mismatched values are printed).
+        ValueError: bad options, shapes, dtypes or devices (the mismatched values are printed), or a ``mode``
+            not in :data:`MODES`.
         RuntimeError: a second backward through a retained graph with reduction "mean"/"sum".
     """
     cap = check_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
+    check_mode(mode)
     _check(hidden, weight, target, bias)
     H = hidden.shape[-1]
     h2, t1, shape = hidden.reshape(-1, H), target.reshape(-1), tuple(target.shape)
@@ -445,14 +538,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
     grad = needs_grad(h2, weight, bias)
     if use_custom_op(hidden, weight, target, bias):
         grads = [bool(grad and t is not None and t.requires_grad) for t in (h2, weight, bias)]
-        fused = reduction != "none" and any(grads)
+        fused = reduction != "none" and any(grads) and mode == "chunked"
         loss = torch.ops.mfuwatch.linear_cross_entropy(
-            h2, weight, t1, bias, *opts, dtype, reduction == "mean", grads, fused)[0]
+            h2, weight, t1, bias, *opts, dtype, reduction == "mean", grads, fused, mode)[0]
         return loss if fused else reduce_rows(loss, t1, ignore_index, reduction, shape)
     if not grad:
-        rows = _chunked(h2, weight, t1, bias, opts, dtype, None, None, None, (False,) * 3)[0]
+        if mode == "recompute":
+            rows = _recompute_forward(h2, weight, t1, bias, opts, dtype)[0]
+        else:
+            rows = _chunked(h2, weight, t1, bias, opts, dtype, None, None, None, (False,) * 3)[0]
         return reduce_rows(rows, t1, ignore_index, reduction, shape)
-    out = LinearCrossEntropyFunction.apply(h2, weight, t1, bias, *opts, dtype, reduction)
+    fn = RecomputeLinearCrossEntropyFunction if mode == "recompute" else LinearCrossEntropyFunction
+    out = fn.apply(h2, weight, t1, bias, *opts, dtype, reduction)
     return out.reshape(shape) if reduction == "none" else out
 
 
@@ -461,11 +558,11 @@ class LinearCrossEntropyLoss(nn.Module):
     target, bias=None)``; options as :class:`mfuwatch.kernels.cross_entropy.CrossEntropyLoss`."""
 
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, softcap: Optional[float] = None) -> None:
+                 z_loss: float = 0.0, softcap: Optional[float] = None, mode: str = "chunked") -> None:
         super().__init__()
         check_options(ignore_index, reduction, label_smoothing, z_loss, softcap)
         self.opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                         z_loss=z_loss, softcap=softcap)
+                         z_loss=z_loss, softcap=softcap, mode=check_mode(mode))
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return linear_cross_entropy(hidden, weight, target, bias, **self.opts)

@@ -159,7 +159,8 @@ def _resolve_kernels(kernels: Optional[Iterable[str]]) -> Tuple[str, ...]:
     return out
 
 
-def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: bool = True) -> PatchReport:
+def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: bool = True,
+          lm_head_mode: str = "chunked") -> PatchReport:
     """Swap the recognised modules of ``model`` (in place) for their fused drop-ins.
 
     Args:
@@ -168,11 +169,17 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
             or None for all of them.
         verify: compare each replacement with the original on a probe input
             before swapping (see the module docstring).
+        lm_head_mode: the ``mode`` of :func:`~mfuwatch.kernels.linear_cross_entropy` for the LM head + loss
+            (``cross_entropy``): "chunked" (default, fastest) or "recompute" (no logits in memory, one GEMM
+            more: for runs short of memory).
     Returns:
         A :class:`PatchReport`: what was swapped, what was left and why.
     Raises:
-        ValueError: an unknown kernel name (the accepted names are listed).
+        ValueError: an unknown kernel name or ``lm_head_mode`` (the accepted values are listed).
     """
+    from .linear_cross_entropy import check_mode
+
+    check_mode(lm_head_mode, "lm_head_mode")
     wanted = _resolve_kernels(kernels)
     report = PatchReport()
     swaps, wirings = _rules()
@@ -214,8 +221,8 @@ def patch(model: nn.Module, kernels: Optional[Sequence[str]] = None, *, verify: 
         object.__setattr__(new, _ORIGINAL, m)
         setattr(parent, child, new)
         report.swapped.append(Swapped(name, _cls(m), "mfuwatch.kernels." + _cls(new), cand.kernel))
-    for rule in wirings:  # rotary (the attention forward), cross_entropy (the LM head + loss)
-        rule.patch_model(model, wanted, verify, report)
+    for rule in wirings:  # rotary (the attention forward), cross_entropy (the LM head + loss, in lm_head_mode)
+        rule.patch_model(model, wanted, verify, report, lm_head_mode=lm_head_mode)
     return report
 
 

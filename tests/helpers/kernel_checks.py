@@ -31,3 +31,21 @@ def assert_close(actual: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, wh
     bound = tol * (r.abs() + r.abs().max())
     err = (a - r).abs()
     assert bool((err <= bound).all()), f"{what}: max error {float(err.max()):.3e} exceeds tolerance (tol {tol:.1e})"
+
+
+def compile_in_subprocess(script: str, expected: int) -> None:
+    """Run ``script`` (Triton AOT compiles for a GPU target, ending with ``print("compiled", n)``) in a fresh
+    interpreter without ``TRITON_INTERPRET`` and assert it compiled ``expected`` kernels; skips when this Triton
+    has no AOT compile API (``triton.backends.compiler``)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("triton.backends.compiler") is None:
+        pytest.skip("this triton has no AOT compile API (triton.backends.compiler)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
+    assert proc.stdout.strip().endswith(f"compiled {expected}"), proc.stdout

@@ -295,11 +295,12 @@ def test_split_kernel_gives_up_with_nan_instead_of_hanging(gen, split_kernel, mo
     assert_close(xg.grad[:, 64:], x64.grad[:, 64:], torch.float32, "second segment")
 
 
-@pytest.mark.parametrize("kind", ["rev", "revh"])
+@pytest.mark.parametrize("kind", ["rev", "revh", "lane", "laneh"])
 @pytest.mark.parametrize("opts", OPTIONS[:2], ids=["plain", "softcap+smooth+z"])
 def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
     """The gradient pass walking each row from its end (several blocks per row: BLOCK 16 over V = 50, the last
-    block partial) writes the same gradient as the float64 reference."""
+    block partial) writes the same gradient as the float64 reference; "lane"/"laneh" with the per-lane running
+    log-sum-exp (rows scaled by 3, so that lanes see new maxima in later blocks)."""
     K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
     C = importlib.import_module("mfuwatch.kernels._tuning")
     monkeypatch.setattr(K, "_candidates", lambda V, write=False, split=False: [(16, 1, kind, 0, 1)] if write

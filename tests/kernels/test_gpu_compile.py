@@ -6,12 +6,11 @@ the settings the launchers use (the backward with one and two rows per step), fo
 triton wheel.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers.kernel_checks import compile_in_subprocess
 
 SCRIPT = textwrap.dedent(
     """
@@ -69,11 +68,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    import importlib.util
-
-    if importlib.util.find_spec("triton.backends.compiler") is None:
-        pytest.skip("this triton has no AOT compile API (triton.backends.compiler)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-5000:]}"
-    assert proc.stdout.strip().endswith("compiled 48"), proc.stdout
+    compile_in_subprocess(SCRIPT, 48)

@@ -34,13 +34,13 @@ def make(gen, dtype, n=11, h=24, v=41, bias=False):
     return x, w, b, t
 
 
-def run(x, w, b, t, reduction, gen, **kw):
-    """The fused op's loss and gradients for a random upstream gradient, and the float64 reference's."""
+def run(x, w, b, t, reduction, gen, mode="chunked", **kw):
+    """The fused op's loss and gradients (in ``mode``) for a random upstream gradient, and the float64 reference's."""
     leaves = [a.to(DEVICE).detach().requires_grad_() for a in (x, w)] + (
         [b.to(DEVICE).detach().requires_grad_()] if b is not None else [])
     loss = linear_cross_entropy(leaves[0], leaves[1], t.to(DEVICE), leaves[2] if b is not None else None,
                                 reduction=reduction, label_smoothing=kw.get("smoothing", 0.0),
-                                z_loss=kw.get("z_loss", 0.0), softcap=kw.get("softcap"))
+                                z_loss=kw.get("z_loss", 0.0), softcap=kw.get("softcap"), mode=mode)
     up = torch.randn(loss.shape, generator=gen) if reduction == "none" else torch.tensor(0.6)
     loss.backward(up.to(DEVICE))
     ref = [a.detach().cpu().double().requires_grad_() for a in leaves]
@@ -55,9 +55,14 @@ def run(x, w, b, t, reduction, gen, **kw):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_matches_float64_over_several_chunks(dtype, reduction, bias, gen, small_chunks):
-    x, w, b, t = make(gen, dtype, bias=bias)
-    kw = dict(softcap=3.0, smoothing=0.1, z_loss=1e-3) if bias else {}
-    loss, r, grads = run(x, w, b, t, reduction, gen, **kw)
+    check_float64(make(gen, dtype, bias=bias), dtype, reduction, gen)
+
+
+def check_float64(inputs, dtype, reduction, gen, mode="chunked"):
+    """Loss and every gradient against float64; with a bias also softcap, smoothing and z-loss."""
+    x, w, b, t = inputs
+    kw = dict(softcap=3.0, smoothing=0.1, z_loss=1e-3) if b is not None else {}
+    loss, r, grads = run(x, w, b, t, reduction, gen, mode=mode, **kw)
     assert loss.dtype == torch.float32 and loss.shape == r.shape
     assert_close(loss, r, dtype, "loss", scale=2.0)
     for (g, gr), name in zip(grads, ("dhidden", "dweight", "dbias")):
