@@ -73,7 +73,7 @@ class AgentConfig:
     tls_keyfile: Optional[str] = None
     file_sd_dir: Optional[str] = None  # write this rank's Prometheus file-SD target file here (multi-node scraping)
     report_every_steps: int = 10  # one measurement per 10 optimizer steps: smooth, and ~0 overhead
-    timeline: Optional[str] = None  # JSONL path; "" / None = no timeline
+    timeline: Optional[str] = None  # JSONL path ("{rank}" is replaced by the rank); "" / None = no timeline
     flops_per_step: Optional[float] = None  # model FLOPs per optimizer step, when the user knows it
     hardware_flops_per_step: Optional[float] = None  # executed FLOPs per step (recomputation included)
     model_shape: Optional[ModelShape] = None  # enables the analytic FLOP formula
@@ -220,7 +220,7 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         cfg.file_sd_dir = str(cfg.file_sd_dir) or None
     if cfg.timeline is not None:
         _check_type("timeline", cfg.timeline, (str, Path), "a file path or null")
-        cfg.timeline = str(cfg.timeline) or None
+        cfg.timeline = str(cfg.timeline).replace("{rank}", str(cfg.rank)) or None  # one file per rank of a job
     for name in ("flops_per_step", "hardware_flops_per_step", "peak_flops"):
         v = getattr(cfg, name)
         if v is not None:

@@ -241,6 +241,11 @@ class Attacher:
         h, self._post_handle = self._post_handle, None
         if h is not None:
             h.remove()
+            # torch's handle leaves its id in the with_kwargs table, which keeps _has_any_global_hook() true
+            # (torch.compile's wrapper then warns at every call): take it out too
+            from torch.nn.modules import module as module_mod
+
+            getattr(module_mod, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
 
     def disarm(self) -> None:
         """Remove every hook this attacher registered (tests; the optimizer hook included). Never raises."""
