@@ -78,6 +78,7 @@ class AgentConfig:
     hardware_flops_per_step: Optional[float] = None  # executed FLOPs per step (recomputation included)
     model_shape: Optional[ModelShape] = None  # enables the analytic FLOP formula
     attention_flops: str = "full"  # "full": every (query, key) pair, as PaLM; "causal": only those a causal mask keeps
+    flops_convention: Optional[str] = None  # "palm" | "megatron" | "6n" (agent/flop_conventions.py); None = from attention_flops
     tensor_parallel_size: Optional[int] = None  # TP degree for the FLOP model; None = from DTensor meshes ("tp"), else 1
     context_parallel_size: int = 1  # CP degree: each rank's sequence is 1/CP of the attended one
     tokens_per_step: Optional[int] = None  # overrides counting tokens from the model's inputs
@@ -254,6 +255,17 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         cfg.model_shape = ModelShape(**ms)
     if cfg.attention_flops not in ATTENTION_FLOPS:
         raise ConfigError(f"attention_flops: expected one of {', '.join(ATTENTION_FLOPS)}, got {cfg.attention_flops!r}")
+    from .flop_conventions import ATTENTION_OF, CONVENTIONS
+
+    if cfg.flops_convention is None:
+        cfg.flops_convention = "megatron" if cfg.attention_flops == "causal" else "palm"
+    elif cfg.flops_convention not in CONVENTIONS:
+        raise ConfigError(f"flops_convention: expected one of {', '.join(CONVENTIONS)}, got {cfg.flops_convention!r}"
+                          f"{_nearest(str(cfg.flops_convention).lower(), CONVENTIONS)}")
+    elif cfg.attention_flops == "causal" and cfg.flops_convention != "megatron":
+        raise ConfigError(f"attention_flops: 'causal' contradicts flops_convention {cfg.flops_convention!r}; "
+                          "expected flops_convention 'megatron' (causal pairs) or no attention_flops")
+    cfg.attention_flops = ATTENTION_OF[cfg.flops_convention]
     for name in ("tensor_parallel_size", "context_parallel_size"):
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

@@ -36,6 +36,7 @@ from .config import AgentConfig, ConfigError, load_config  # noqa: F401  (Config
 from .errors import ErrorCounter
 from .exporter import Exporter
 from .fleet import FleetAccounting
+from .flop_conventions import formula_inputs
 from .hooks import TrainingHooks, count_tokens  # noqa: F401  (count_tokens: public, used by integrations)
 from .job import job_labelled_view, resolve_job
 from .lifecycle import Lifecycle
@@ -92,6 +93,7 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
             run=cfg.run, rank=cfg.rank, local_rank=cfg.local_rank, world_size=cfg.world_size,
             host=socket.gethostname(), device=str(self.device), gpu_name=self._gpu_name(),
             dtype=self._dtype_key or "", flops_source=self.flop_model.source,
+            flops_convention=cfg.flops_convention or "", flops_inputs=formula_inputs(self.flop_model),
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
         self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/job.py)
@@ -144,6 +146,9 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
     # ------------------------------------------------------------------ FLOPs
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
+        if self._seq_len and "seq_len" not in self.run_info.flops_inputs and self.run_info.flops_inputs:
+            self.run_info.flops_inputs = formula_inputs(self.flop_model, self._seq_len)  # the first one seen
+            self._run_info_dirty = True
         return self.flop_model.flops_per_step(tokens_per_step, self._seq_len)
 
     def flops_breakdown(self, print_it: bool = False, count: bool = False) -> str:
