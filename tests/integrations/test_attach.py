@@ -158,6 +158,16 @@ def test_the_bootstrap_chains_to_the_sitecustomize_it_shadows(tmp_path):
     assert p.stdout.split() == ["True", "False"], p.stderr  # chained; and torch is not imported by the bootstrap
 
 
+def test_the_bootstrap_waits_for_the_real_import_of_torch_not_a_probe():
+    """Libraries probe with importlib.util.find_spec("torch") (transformers does) before importing it."""
+    code = ("import importlib.util, sys; importlib.util.find_spec('torch'); "
+            "print('mfuwatch.agent.attach.attacher' in sys.modules); import torch; "
+            "import mfuwatch.agent.attach.attacher as a; print(a._installed is not None and a._installed.state)")
+    p = subprocess.run([sys.executable, "-c", code], env=attach_env(_env()), capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.split() == ["False", "armed"], p.stderr[-2000:]
+
+
 # ------------------------------------------------------------------ in-process: compile, failure, choice
 class _Net(nn.Module):
     def __init__(self) -> None:

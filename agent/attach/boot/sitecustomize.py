@@ -43,29 +43,38 @@ def _torch_imported():
 
 
 class _TorchFinder:
-    """A meta-path finder that finds nothing itself: on the first ``import torch`` it lets the other
-    finders find torch, wraps the loader's ``exec_module`` to call :func:`_torch_imported` once torch's
-    module has run, and takes itself off ``sys.meta_path``."""
+    """A meta-path finder that finds nothing itself: for ``torch`` it lets the other finders find it and
+    wraps the loader's ``exec_module`` so that :func:`_torch_imported` runs once torch's module has run.
+
+    It leaves ``sys.meta_path`` only when torch is really imported: ``importlib.util.find_spec("torch")``
+    alone (libraries probe for torch that way, transformers among them) executes nothing.
+    """
+
+    _busy = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self._busy:
             return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
         import importlib.util
 
+        self._busy = True
         try:
             spec = importlib.util.find_spec("torch")
         except Exception:  # noqa: BLE001 - let the real import report it
             return None
+        finally:
+            self._busy = False
         loader = getattr(spec, "loader", None)
         run = getattr(loader, "exec_module", None)
         if run is None:
             return spec
+        finder = self
 
         def exec_module(module):
+            try:
+                sys.meta_path.remove(finder)
+            except ValueError:
+                pass
             run(module)
             _torch_imported()
 
