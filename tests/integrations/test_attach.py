@@ -302,3 +302,43 @@ def test_unwrap_data_parallel_wrappers_but_not_compile(tmp_path):
         dist.destroy_process_group()
     compiled = torch.compile(net, backend="eager")
     assert unwrap(compiled) is compiled
+
+
+def test_attach_through_fsdp2_keeps_the_module_fully_shard_changed_in_place(attacher_factory, tmp_path):
+    """fully_shard (FSDP2, gloo, one rank) swaps the module's class and parameters in place: no wrapper to
+    unwrap. The FLOPs are FlopCounterMode's over the job's 2nd step: 6 x N x tokens by hand, N the two
+    Linear weights (the embedding is a lookup)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from mfuwatch.agent.core import Agent
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.l1 = nn.Linear(16, 16, bias=False)
+            self.l2 = nn.Linear(16, 32, bias=False)
+
+        def forward(self, ids):
+            return self.l2(self.l1(self.emb(ids)))
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        fully_shard(net.l1)
+        fully_shard(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        a = attacher_factory(lambda m, o: Agent(m, o, **_agent_kwargs(tmp_path / "tl.jsonl")))
+        for _ in range(4):
+            net(torch.randint(0, 32, (2, 8))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert a.state == "attached" and a.model is net and type(net).__name__ == "FSDPNet"
+        a.agent.close()
+    finally:
+        dist.destroy_process_group()
+    steps = _steps(tmp_path / "tl.jsonl")
+    assert [s["step"] for s in steps] == [2, 3, 4] and all(s["tokens"] == 16 for s in steps)
+    assert all(s["model_flops"] == 6 * (16 * 16 + 16 * 32) * 16 for s in steps)
