@@ -1,6 +1,7 @@
 """The counted FLOP path (FlopCounterMode over one real step) on state-space and hybrid families.
 
-These models have no analytic rule (Mamba mixers: ``A_log``, depthwise ``conv1d``), so the agent counts
+Zamba and Zamba2 are not here: their small configs do not build under transformers 5.24 (shared-layer
+weight tying and layer-type validation reject them). These models have no analytic rule (Mamba mixers: ``A_log``, depthwise ``conv1d``), so the agent counts
 them. The reference is independent of mfuwatch's formulas: FlopCounterMode with torch's own formulas
 over the model with **eager** experts (plain ``F.linear`` per expert, which torch counts; torch has no
 formula for ``aten._grouped_mm``), with the depthwise convolution's backward taken as twice the forward
@@ -32,6 +33,9 @@ FAMILIES = {
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64, mamba_n_heads=8,
         mamba_d_head=8, mamba_d_state=8, mamba_d_conv=2, mamba_expand=2, mamba_chunk_size=4)),
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=8,
+        mamba_d_state=8, mamba_d_conv=2, mamba_expand=2, mamba_chunk_size=4, attn_layer_indices=[1])),
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
         intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2, shared_intermediate_size=32, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8,
@@ -94,7 +98,7 @@ def test_jamba_counted_path_counts_routed_experts_alike_under_every_experts_impl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_h1", "granitemoehybrid"])
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "falcon_h1", "bamba", "granitemoehybrid"])
 def test_state_space_and_hybrid_families_on_the_counted_path(family):
     model = _build(family)
     with pytest.raises(A.UnknownArchitecture):  # no analytic rule: the agent must count

@@ -138,6 +138,15 @@ def test_exit_code_passes_through_and_disable_keeps_the_environment(tmp_path):
     assert p.returncode == 127 and "command not found" in p.stderr
 
 
+def test_print_env_gives_the_lines_a_slurm_prolog_exports(tmp_path):
+    cfg = _config(tmp_path, tmp_path / "tl.jsonl")
+    p = subprocess.run(_mfuwatch("run", "--config", str(cfg), "--print-env"), env=_env(PYTHONPATH="/site/x"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [f"export PYTHONPATH={bootstrap_dir()}{os.pathsep}/site/x",
+                                     f"export MFUWATCH_CONFIG={cfg.resolve()}"]
+
+
 def test_bad_config_fails_before_the_job_starts(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("report_every_step: 5\n")
