@@ -108,18 +108,33 @@ def _inputs(fm: Any, seq_len: Optional[int]) -> Dict[str, Any]:
         out["layers"] = len(arch.attention)
         if arch.attention:
             out["width"] = int(round(arch.attention[0].width))
-        cfg = getattr(fm.model, "config", None)
-        if cfg is not None:
-            from .architectures import UnknownArchitecture, _heads
-
-            try:
-                heads, head_dim = _heads(cfg, arch.family, "decoder")
-                out.update(heads=int(heads), head_dim=int(head_dim))
-            except UnknownArchitecture:
-                pass
+        heads, head_dim = _config_heads(getattr(fm.model, "config", None))
+        if heads:
+            out["heads"] = heads
+        if head_dim:
+            out["head_dim"] = head_dim
     if seq_len:
         out["seq_len"] = int(seq_len)
     return out
+
+
+def _config_heads(cfg: Any) -> tuple:
+    """``(query heads, head_dim)`` as a Hugging Face config states them (``None`` for what it does not)."""
+    def first(*names: str) -> Optional[int]:
+        for n in names:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    if cfg is None:
+        return None, None
+    heads = first("num_attention_heads", "n_head", "num_heads", "n_heads")
+    head_dim = first("head_dim", "d_kv", "attention_head_size")
+    width = first("hidden_size", "d_model", "n_embd", "dim")
+    if head_dim is None and heads and width:
+        head_dim = width // heads
+    return heads, head_dim
 
 
 def side_by_side(arch: Any, model: Any, lengths: Any, sequences: float) -> str:
