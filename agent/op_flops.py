@@ -149,6 +149,23 @@ def conv_backward_flops(grad_out: Shape, x: Shape, w: Shape, transposed: bool, o
     return forward * (int(bool(mask[0])) + int(bool(mask[1]) if len(mask) > 1 else 0))
 
 
+def _flag(v: Any) -> bool:
+    """A bool argument as the counter passes it (a bool) or a trace records it (``"True"``, ``"0"``, ``""``)."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("true", "1")
+    return bool(v)
+
+
+def _mask(v: Any) -> Sequence[bool]:
+    """``output_mask``: a bool sequence, or a trace's ``"[True, True, False]"``; missing = input and weight."""
+    if isinstance(v, str):
+        parts = [p for p in v.strip("[]() ").split(",") if p.strip()]
+        return [_flag(p) for p in parts] or [True, True, False]
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (bool, int, str)) for x in v):
+        return [_flag(x) for x in v]
+    return [True, True, False]
+
+
 def op_flops(name: str, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None,
              out_shape: Any = None) -> Optional[int]:
     """FLOPs of one call of ``name`` (``"aten::_grouped_mm"`` or ``"_grouped_mm"``), args given as shapes.
@@ -185,7 +202,7 @@ def op_flops(name: str, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = 
         if op in _CONV_BACKWARD and len(shapes) >= 3:
             transposed = shapes[7] if len(shapes) > 7 else kwargs.get("transposed", False)
             mask = shapes[10] if len(shapes) > 10 else kwargs.get("output_mask", (True, True, False))
-            return conv_backward_flops(shapes[0], shapes[1], shapes[2], bool(transposed), mask)
+            return conv_backward_flops(shapes[0], shapes[1], shapes[2], _flag(transposed), _mask(mask))
         if op in _GROUPED_MM and len(shapes) >= 2:
             return grouped_mm_flops(shapes[0], shapes[1], out_shape if _is_shape(out_shape) else None)
     except (TypeError, ValueError, IndexError):

@@ -120,3 +120,8 @@ def test_depthwise_conv_backward_formula_by_hand():
     # a plain conv2d 3 -> 8 channels, 3x3 kernel, 4x4 output
     fwd2 = 2 * (1 * 8 * 4 * 4) * (3 * 3 * 3)
     assert conv_backward_flops((1, 8, 4, 4), (1, 3, 6, 6), (8, 3, 3, 3), False, [True, True, True]) == 2 * fwd2
+    # as a profiler trace records it: bools as strings (the trace analysis reads the same formula)
+    from mfuwatch.agent.op_flops import trace_op_flops
+
+    dims = [[1, 8, 4, 4], [1, 3, 6, 6], [8, 3, 3, 3], [], [], [], [], "False", [], "1", "[False, True, False]"]
+    assert trace_op_flops("aten::convolution_backward", dims) == fwd2
