@@ -146,10 +146,20 @@ class Agent(Lifecycle, TrainingHooks, AgentThread, MfuPeak):
     # ------------------------------------------------------------------ FLOPs
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
-        if self._seq_len and "seq_len" not in self.run_info.flops_inputs and self.run_info.flops_inputs:
-            self.run_info.flops_inputs = formula_inputs(self.flop_model, self._seq_len)  # the first one seen
-            self._run_info_dirty = True
+        if self._note_seq_len():
+            self._run_info_dirty = True  # learnt after the run record went out: a later run record says it
         return self.flop_model.flops_per_step(tokens_per_step, self._seq_len)
+
+    def _note_seq_len(self) -> bool:
+        """Put the first training forward's sequence length into ``run_info.flops_inputs``; whether it changed."""
+        if self._seq_len and self.run_info.flops_inputs and "seq_len" not in self.run_info.flops_inputs:
+            self.run_info.flops_inputs = formula_inputs(self.flop_model, self._seq_len)
+            return True
+        return False
+
+    def _run_record(self) -> dict:
+        self._note_seq_len()  # the run record is written after the first step: its sequence length is known
+        return AgentThread._run_record(self)
 
     def flops_breakdown(self, print_it: bool = False, count: bool = False) -> str:
         """The FLOP number explained: source, per-component FLOPs of one step and the formula of each.
