@@ -1,4 +1,4 @@
-"""The ``mfuwatch`` command line: ``demo``, ``analyze``, ``report``, ``alerts`` and ``flops``.
+"""The ``mfuwatch`` command line: ``demo``, ``analyze``, ``report``, ``alerts``, ``flops`` and ``run``.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this
 dispatcher imports only the one asked for, so ``mfuwatch analyze`` and
@@ -20,6 +20,7 @@ COMMANDS = {
     "report": ("mfuwatch.agent.report.html", "a self-contained HTML report from an agent timeline (JSONL)"),
     "alerts": ("mfuwatch.alerts.cli", "alert rules: render Prometheus rules, check a config"),
     "flops": ("mfuwatch.agent.flops.cli", "FLOPs of one training step of a Hugging Face model, per component"),
+    "run": ("mfuwatch.agent.attach.run", "run a command with the agent attached to its Python processes"),
 }
 
 

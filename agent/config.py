@@ -73,11 +73,12 @@ class AgentConfig:
     tls_keyfile: Optional[str] = None
     file_sd_dir: Optional[str] = None  # write this rank's Prometheus file-SD target file here (multi-node scraping)
     report_every_steps: int = 10  # one measurement per 10 optimizer steps: smooth, and ~0 overhead
-    timeline: Optional[str] = None  # JSONL path; "" / None = no timeline
+    timeline: Optional[str] = None  # JSONL path ("{rank}" is replaced by the rank); "" / None = no timeline
     flops_per_step: Optional[float] = None  # model FLOPs per optimizer step, when the user knows it
     hardware_flops_per_step: Optional[float] = None  # executed FLOPs per step (recomputation included)
     model_shape: Optional[ModelShape] = None  # enables the analytic FLOP formula
     attention_flops: str = "full"  # "full": every (query, key) pair, as PaLM; "causal": only those a causal mask keeps
+    flops_convention: Optional[str] = None  # "palm" | "megatron" | "6n" (agent/flop_conventions.py); None = from attention_flops
     tensor_parallel_size: Optional[int] = None  # TP degree for the FLOP model; None = from DTensor meshes ("tp"), else 1
     context_parallel_size: int = 1  # CP degree: each rank's sequence is 1/CP of the attended one
     tokens_per_step: Optional[int] = None  # overrides counting tokens from the model's inputs
@@ -229,7 +230,7 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         cfg.file_sd_dir = str(cfg.file_sd_dir) or None
     if cfg.timeline is not None:
         _check_type("timeline", cfg.timeline, (str, Path), "a file path or null")
-        cfg.timeline = str(cfg.timeline) or None
+        cfg.timeline = str(cfg.timeline).replace("{rank}", str(cfg.rank)) or None  # one file per rank of a job
     for name in ("flops_per_step", "hardware_flops_per_step", "peak_flops"):
         v = getattr(cfg, name)
         if v is not None:
@@ -263,6 +264,17 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         cfg.model_shape = ModelShape(**ms)
     if cfg.attention_flops not in ATTENTION_FLOPS:
         raise ConfigError(f"attention_flops: expected one of {', '.join(ATTENTION_FLOPS)}, got {cfg.attention_flops!r}")
+    from .flop_conventions import ATTENTION_OF, CONVENTIONS
+
+    if cfg.flops_convention is None:
+        cfg.flops_convention = "megatron" if cfg.attention_flops == "causal" else "palm"
+    elif cfg.flops_convention not in CONVENTIONS:
+        raise ConfigError(f"flops_convention: expected one of {', '.join(CONVENTIONS)}, got {cfg.flops_convention!r}"
+                          f"{_nearest(str(cfg.flops_convention).lower(), CONVENTIONS)}")
+    elif cfg.attention_flops == "causal" and cfg.flops_convention != "megatron":
+        raise ConfigError(f"attention_flops: 'causal' contradicts flops_convention {cfg.flops_convention!r}; "
+                          "expected flops_convention 'megatron' (causal pairs) or no attention_flops")
+    cfg.attention_flops = ATTENTION_OF[cfg.flops_convention]
     for name in ("tensor_parallel_size", "context_parallel_size"):
         v = getattr(cfg, name)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

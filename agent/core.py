@@ -51,6 +51,7 @@ from .live.reporter import Reporter, ReportWiring
 from .live.timeline import Timeline
 from .activity import ActivityAverager
 from .plausibility import ImplausibleRatioGuard
+from .flop_conventions import formula_inputs
 from .schema import RunInfo, StepMeasurement, WindowMeasurement
 
 log = logging.getLogger("mfuwatch")
@@ -91,6 +92,7 @@ class Agent:
             run=cfg.run, rank=cfg.rank, local_rank=cfg.local_rank, world_size=cfg.world_size,
             host=socket.gethostname(), device=str(self.device), gpu_name=self._gpu_name(),
             dtype=cfg.dtype or "", flops_source=self.flop_model.source,
+            flops_convention=cfg.flops_convention or "", flops_inputs=formula_inputs(self.flop_model),
             versions={"torch": torch.__version__.split("+")[0], "mfuwatch": _version()},
         )
         self.run_info.job = resolve_job(cfg.run, cfg.job)  # fleet: the `job` label (agent/fleet/job.py)
@@ -200,7 +202,7 @@ class Agent:
                                    has_optimizer=optimizer is not None, wiring=self._hook_wiring())
         # the run record goes first once the dtype and peak settle (the first forward); the timeline holds
         # what comes before it, such as the attempt record (agent/live/timeline.py)
-        self.timeline.start_header(self.reporter.run_record)
+        self.timeline.start_header(self._run_record)
         # fleet: the attempt record (and what the previous attempt lost) is written by the reporter once the
         # resume read, off this thread, has finished (FleetAccounting.ensure_attempt_written, issue 28)
         self.reporter.start()
@@ -447,7 +449,22 @@ class Agent:
 
     def flops_per_step(self, tokens_per_step: float) -> tuple:
         """``(model, hardware)`` FLOPs for one optimizer step of ``tokens_per_step`` tokens, or ``(None, None)``."""
-        return self.flop_model.flops_per_step(tokens_per_step, self.hooks.seq_len if self.hooks else None)
+        seq_len = self.hooks.seq_len if self.hooks else None
+        if self._note_seq_len(seq_len) and self.reporter is not None:
+            self.reporter.facts_changed()  # learnt after the run record went out: a later run record says it
+        return self.flop_model.flops_per_step(tokens_per_step, seq_len)
+
+    def _note_seq_len(self, seq_len: Optional[int]) -> bool:
+        """Put the first training forward's sequence length into ``run_info.flops_inputs``; whether it changed."""
+        if seq_len and self.run_info.flops_inputs and "seq_len" not in self.run_info.flops_inputs:
+            self.run_info.flops_inputs = formula_inputs(self.flop_model, seq_len)
+            return True
+        return False
+
+    def _run_record(self) -> dict:
+        # the run record is written after the first step: its sequence length is known
+        self._note_seq_len(self.hooks.seq_len if self.hooks else None)
+        return self.reporter.run_record()
 
     def flops_breakdown(self, print_it: bool = False, count: bool = False) -> str:
         """The FLOP number explained: source, per-component FLOPs of one step and the formula of each.

@@ -161,6 +161,7 @@ class FlopModel:
         self.lengths: Any = None  # architectures.Lengths of the latest training forward
         self._signature: Any = None
         self._adopted = False  # an architecture read from the unwrapped model: the live one is not re-read
+        self.six_n: Optional[int] = None  # N of flops_convention "6n" (agent/flop_conventions.py)
         cfg = config
         if cfg.flops_per_step is not None:
             self.source = "user"
@@ -180,7 +181,14 @@ class FlopModel:
             raise
         except Exception as exc:  # noqa: BLE001
             errors.count("flops", exc)
-        if self.shape is not None or self.arch is not None:
+        if getattr(cfg, "flops_convention", None) == "6n" and model is not None:
+            from .flop_conventions import six_n_parameters
+
+            try:
+                self.six_n = six_n_parameters(model)
+            except Exception as exc:  # noqa: BLE001
+                errors.count("flops", exc)
+        if self.shape is not None or self.arch is not None or self.six_n is not None:
             self.source = "analytic"
         elif model is not None:
             self.source = "flop_counter"
@@ -307,12 +315,20 @@ class FlopModel:
         cfg = self.config
         if cfg.flops_per_step is not None:
             return cfg.flops_per_step, cfg.hardware_flops_per_step or cfg.flops_per_step
+        if self.six_n is not None:  # flops_convention "6n": 6 N per token, no attention term
+            model = 6.0 * self.six_n * tokens_per_step
+            if cfg.hardware_flops_per_step is not None:
+                return model, cfg.hardware_flops_per_step
+            return model, model * (4.0 / 3.0) if uses_activation_checkpointing(self.model) else model
         if self.shape is not None:
             s = self.shape
             seq = s.seq_len or seq_len
             if not seq:
                 return None, None
-            model = analytic_flops_per_token(s.n_params, s.n_layers, s.d_model, seq) * tokens_per_step
+            from .flop_conventions import dense_flops_per_token
+
+            model = dense_flops_per_token(cfg.flops_convention or "palm", s.n_params, s.n_layers, s.d_model,
+                                          seq) * tokens_per_step
             if cfg.hardware_flops_per_step is not None:
                 return model, cfg.hardware_flops_per_step
             return model, model * (4.0 / 3.0) if s.gradient_checkpointing else model
@@ -373,13 +389,27 @@ class FlopModel:
 
 def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
     """What made the FLOP number: the source, and for the analytic path the per-component table."""
+    from .flop_conventions import CONVENTIONS, formula_inputs
+
+    conv = getattr(fm.config, "flops_convention", None) or "palm"
     lines = [f"flops_source: {fm.source or 'none (MFU not reported)'}"]
+    if fm.source == "analytic":
+        inputs = formula_inputs(fm, seq_len)
+        if tokens_per_step:
+            inputs["tokens_per_step"] = tokens_per_step
+        lines.append(f"flops_convention: {conv} ({CONVENTIONS[conv]})")
+        lines.append("formula inputs: " + ", ".join(f"{k}={v:,}" if isinstance(v, int) else f"{k}={v:g}"
+                                                   for k, v in inputs.items()))
+    if fm.six_n is not None:
+        t = tokens_per_step or seq_len or 0
+        lines.append(f"6 x N x tokens = 6 x {fm.six_n:,} x {t:g} = {6.0 * fm.six_n * t:.4g} model FLOPs per step")
+        return "\n".join(lines)
     if fm.source == "user":
         lines.append(f"flops_per_step = {fm.config.flops_per_step:.4g} (given)")
         return "\n".join(lines)
     if fm.shape is not None:
         s = fm.shape
-        lines.append(f"PaLM formula 6*N + 12*L*d*T per token: N={s.n_params:,} L={s.n_layers} d={s.d_model} "
+        lines.append(f"{CONVENTIONS[conv]}: N={s.n_params:,} L={s.n_layers} d={s.d_model} "
                      f"T={s.seq_len or seq_len}")
         return "\n".join(lines)
     if fm.arch is not None:

@@ -20,6 +20,8 @@ Conventions (multiply and add counted separately, as torch and PaLM do):
   (FlashAttention-2, Dao 2023, algorithm 2; memory-efficient; cuDNN) execute,
   as torch's own ``sdpa_backward_flop_count`` does; a causal mask is not
   halved (the full ``Tq × Tk`` score matrix, PaLM's convention).
+* ``aten.convolution_backward``: the forward's FLOPs once per gradient asked for (input, weight), the
+  groups of a grouped or depthwise convolution accounted for (:func:`conv_backward_flops`).
 * ``aten._grouped_mm(a, b, offs)`` (the MoE expert matmul of transformers 5):
   ``2 · out.numel() · K`` with ``K = a.shape[-1]``, except when both inputs
   are 2-D (the weight-gradient form, groups along ``K``): ``2 · M · K_total · N``.
@@ -51,9 +53,11 @@ _SDPA_BHTD_BACKWARD = tuple(n + "_backward" for n in _SDPA_BHTD_FORWARD[:-1]) + 
 _SDPA_BTHD_FORWARD = ("_flash_attention_forward", "_efficient_attention_forward")
 _SDPA_BTHD_BACKWARD = ("_flash_attention_backward", "_efficient_attention_backward")
 _GROUPED_MM = ("_grouped_mm", "_scaled_grouped_mm")
+_CONV_BACKWARD = ("convolution_backward",)
 
 #: every op (aten overload packet name) this module has a formula for
-OPS: Tuple[str, ...] = _SDPA_BHTD_FORWARD + _SDPA_BHTD_BACKWARD + _SDPA_BTHD_FORWARD + _SDPA_BTHD_BACKWARD + _GROUPED_MM
+OPS: Tuple[str, ...] = (_SDPA_BHTD_FORWARD + _SDPA_BHTD_BACKWARD + _SDPA_BTHD_FORWARD + _SDPA_BTHD_BACKWARD + _GROUPED_MM
+                         + _CONV_BACKWARD)
 
 
 def attention_forward_flops(batch: int, q_heads: int, q_len: int, k_len: int, head_dim: int,
@@ -126,6 +130,42 @@ def grouped_mm_flops(a: Shape, b: Shape, out: Optional[Shape] = None) -> Optiona
     return None
 
 
+def conv_backward_flops(grad_out: Shape, x: Shape, w: Shape, transposed: bool, output_mask: Sequence[bool]
+                        ) -> Optional[int]:
+    """FLOPs of ``aten.convolution_backward``: the forward's ``2 · (output elements) · (weight elements per
+    output channel)`` once for the input gradient and once for the weight gradient, as requested by
+    ``output_mask`` (the bias gradient is a sum, not counted).
+
+    The weight is ``(C_out, C_in / groups, *kernel)`` (``(C_in, C_out / groups, *kernel)`` when
+    ``transposed``), so grouped and depthwise convolutions (Mamba's causal conv1d) cost what they
+    compute. torch's own formula forms the weight gradient as an ungrouped convolution and, for a
+    depthwise one, counts ``C`` times its FLOPs. Returns None for shapes it cannot read.
+    """
+    if not (_is_shape(grad_out) and _is_shape(x) and _is_shape(w)) or len(w) < 3:
+        return None
+    per_out = math.prod(w[1:])
+    forward = 2 * math.prod(x if transposed else grad_out) * per_out
+    mask = list(output_mask or (True, True, False))
+    return forward * (int(bool(mask[0])) + int(bool(mask[1]) if len(mask) > 1 else 0))
+
+
+def _flag(v: Any) -> bool:
+    """A bool argument as the counter passes it (a bool) or a trace records it (``"True"``, ``"0"``, ``""``)."""
+    if isinstance(v, str):
+        return v.strip().lower() in ("true", "1")
+    return bool(v)
+
+
+def _mask(v: Any) -> Sequence[bool]:
+    """``output_mask``: a bool sequence, or a trace's ``"[True, True, False]"``; missing = input and weight."""
+    if isinstance(v, str):
+        parts = [p for p in v.strip("[]() ").split(",") if p.strip()]
+        return [_flag(p) for p in parts] or [True, True, False]
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (bool, int, str)) for x in v):
+        return [_flag(x) for x in v]
+    return [True, True, False]
+
+
 def op_flops(name: str, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None,
              out_shape: Any = None) -> Optional[int]:
     """FLOPs of one call of ``name`` (``"aten::_grouped_mm"`` or ``"_grouped_mm"``), args given as shapes.
@@ -159,6 +199,10 @@ def op_flops(name: str, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = 
             max_k = shapes[9] if len(shapes) > 9 else kwargs.get("max_k", kwargs.get("max_seqlen_k"))
             dims = _bthd(shapes[1], shapes[2], shapes[3], None, max_k)
             return None if dims is None else attention_backward_flops(*dims)
+        if op in _CONV_BACKWARD and len(shapes) >= 3:
+            transposed = shapes[7] if len(shapes) > 7 else kwargs.get("transposed", False)
+            mask = shapes[10] if len(shapes) > 10 else kwargs.get("output_mask", (True, True, False))
+            return conv_backward_flops(shapes[0], shapes[1], shapes[2], _flag(transposed), _mask(mask))
         if op in _GROUPED_MM and len(shapes) >= 2:
             return grouped_mm_flops(shapes[0], shapes[1], out_shape if _is_shape(out_shape) else None)
     except (TypeError, ValueError, IndexError):

@@ -109,11 +109,14 @@ class StepClock:
                 self._merged_tokens += old.tokens
             self._pending.append(b)
 
-    def start(self) -> None:
-        """Record a starting boundary (step 0) so the first step is timed too."""
+    def start(self, step: int = 0) -> None:
+        """Record a starting boundary so the next step (``step + 1``) is timed too.
+
+        ``step``: the optimizer steps already done before this clock started (``mfuwatch run`` attaches
+        after the job's first one)."""
         with self._lock:
             if self._last is None and not self._pending:
-                self._pending.append(Boundary(step=0, tokens=0, wall=self._wall(), marker=self._marker()))
+                self._pending.append(Boundary(step=step, tokens=0, wall=self._wall(), marker=self._marker()))
 
     def _done(self, b: Boundary) -> bool:
         return b.marker.query() if self.cuda else True

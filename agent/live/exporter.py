@@ -74,7 +74,7 @@ class MeasurementCollector(Collector):
         info.add_metric(base, {
             "host": ri.host, "device": ri.device, "gpu": ri.gpu_name, "dtype": ri.dtype,
             "world_size": str(ri.world_size), "local_rank": str(ri.local_rank),
-            "peak_source": ri.peak_source, "flops_source": ri.flops_source,
+            "peak_source": ri.peak_source, "flops_source": ri.flops_source, "flops_convention": ri.flops_convention,
             "exporter_url": ri.exporter_url, **{f"{k}_version": v for k, v in ri.versions.items()},
         })
         yield info
