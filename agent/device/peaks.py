@@ -11,7 +11,7 @@ gets no peak, and one warning that names it and says how to pass ``peak_flops`` 
 :mod:`mfuwatch.agent.device.calibrate` measures instead of looking up (``calibrate=True``, the CPU
 demo, profiler windows without a table row). Usage::
 
-    from mfuwatch.agent import peaks
+    from mfuwatch.agent.device import peaks
     p = peaks.resolve_peaks(name="NVIDIA H200", pci_device_id=0x233510DE)  # the H200 SXM row
     key = peaks.training_dtype_key(torch.float32, torch.bfloat16, peaks.torch_allows_tf32())
     flops, source = peaks.mfu_peak(p, key)                                   # 989.4e12 for bf16

@@ -19,7 +19,7 @@ BASE = dict(exporter=False, nvml=False, alerts=False, profile_every="off", run="
 
 
 def _meta_llama(**kw):
-    from mfuwatch.agent.flops_cli import build_model
+    from mfuwatch.agent.flops.cli import build_model
 
     cfg = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
                                    num_key_value_heads=8, **kw)
@@ -27,7 +27,7 @@ def _meta_llama(**kw):
 
 
 def _arch_per_token(model, convention, seq):
-    from mfuwatch.agent import architectures as A
+    from mfuwatch.agent.flops import architectures as A
 
     arch = A.from_model(model, causal=convention == "megatron")
     return arch.step_flops(A.Lengths(seq), 1.0)[0] / seq

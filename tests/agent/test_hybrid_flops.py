@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mfuwatch.agent import Agent
-from mfuwatch.agent import architectures as A
+from mfuwatch.agent.flops import architectures as A
 
 transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2)
@@ -111,7 +111,7 @@ def test_state_space_and_hybrid_families_on_the_counted_path(family):
 
 
 def test_depthwise_conv_backward_formula_by_hand():
-    from mfuwatch.agent.op_flops import conv_backward_flops
+    from mfuwatch.agent.flops.op_flops import conv_backward_flops
 
     # conv1d over 64 channels, groups 64, kernel 2, batch 2, length 9: the forward is 2*2*64*9*(1*2) FLOPs
     fwd = 2 * (2 * 64 * 9) * (1 * 2)
@@ -121,7 +121,7 @@ def test_depthwise_conv_backward_formula_by_hand():
     fwd2 = 2 * (1 * 8 * 4 * 4) * (3 * 3 * 3)
     assert conv_backward_flops((1, 8, 4, 4), (1, 3, 6, 6), (8, 3, 3, 3), False, [True, True, True]) == 2 * fwd2
     # as a profiler trace records it: bools as strings (the trace analysis reads the same formula)
-    from mfuwatch.agent.op_flops import trace_op_flops
+    from mfuwatch.agent.flops.op_flops import trace_op_flops
 
     dims = [[1, 8, 4, 4], [1, 3, 6, 6], [8, 3, 3, 3], [], [], [], [], "False", [], "1", "[False, True, False]"]
     assert trace_op_flops("aten::convolution_backward", dims) == fwd2

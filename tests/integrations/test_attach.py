@@ -24,7 +24,7 @@ import yaml
 from torch import nn
 
 from mfuwatch.agent.attach import attach_env, bootstrap_dir
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 
 SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "attach" / "plain_train.py"
 STEPS, BATCH, SEQ = 8, 4, 16

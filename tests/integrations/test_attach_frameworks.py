@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mfuwatch.agent.timeline import read_timeline
+from mfuwatch.agent.live.timeline import read_timeline
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "attach"
 SEQ = 16

@@ -133,7 +133,7 @@ def test_real_h200_llama_trace_host_bound_gaps_and_the_set():
     import gzip
     import json
 
-    from mfuwatch.agent import peaks as peak_table
+    from mfuwatch.agent.device import peaks as peak_table
     from mfuwatch.agent.analysis.trace import read_trace
     from tests.helpers.traces import TRACES
 
