@@ -78,7 +78,7 @@ class AgentConfig:
     hardware_flops_per_step: Optional[float] = None  # executed FLOPs per step (recomputation included)
     model_shape: Optional[ModelShape] = None  # enables the analytic FLOP formula
     attention_flops: str = "full"  # "full": every (query, key) pair, as PaLM; "causal": only those a causal mask keeps
-    flops_convention: Optional[str] = None  # "palm" | "megatron" | "6n" (agent/flop_conventions.py); None = from attention_flops
+    flops_convention: Optional[str] = None  # "palm" | "megatron" | "6n" (agent/flops/conventions.py); None = from attention_flops
     tensor_parallel_size: Optional[int] = None  # TP degree for the FLOP model; None = from DTensor meshes ("tp"), else 1
     context_parallel_size: int = 1  # CP degree: each rank's sequence is 1/CP of the attended one
     tokens_per_step: Optional[int] = None  # overrides counting tokens from the model's inputs
@@ -264,7 +264,7 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         cfg.model_shape = ModelShape(**ms)
     if cfg.attention_flops not in ATTENTION_FLOPS:
         raise ConfigError(f"attention_flops: expected one of {', '.join(ATTENTION_FLOPS)}, got {cfg.attention_flops!r}")
-    from .flop_conventions import ATTENTION_OF, CONVENTIONS
+    from .flops.conventions import ATTENTION_OF, CONVENTIONS
 
     if cfg.flops_convention is None:
         cfg.flops_convention = "megatron" if cfg.attention_flops == "causal" else "palm"

@@ -51,7 +51,7 @@ from .live.reporter import Reporter, ReportWiring
 from .live.timeline import Timeline
 from .activity import ActivityAverager
 from .plausibility import ImplausibleRatioGuard
-from .flop_conventions import formula_inputs
+from .flops.conventions import formula_inputs
 from .schema import RunInfo, StepMeasurement, WindowMeasurement
 
 log = logging.getLogger("mfuwatch")

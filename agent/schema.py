@@ -148,7 +148,7 @@ class RunInfo:
     peak_source: str = ""  # datasheet citation, "calibrated", "user", or "" when unknown
     peak_memory_bandwidth_bytes_per_second: Optional[float] = None
     flops_source: str = ""  # "user" | "analytic" | "flop_counter"
-    flops_convention: str = ""  # "palm" | "megatron" | "6n" (agent/flop_conventions.py)
+    flops_convention: str = ""  # "palm" | "megatron" | "6n" (agent/flops/conventions.py)
     flops_inputs: Dict[str, Any] = field(default_factory=dict)  # N, layers, heads, head_dim, width, seq_len
     exporter_url: str = ""
     job: str = ""  # fleet: the `job` label (agent/fleet/job.py), shared by every rank of one job

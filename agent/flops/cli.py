@@ -190,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             side = "decoder length" if arch.family == "encoder-decoder" else "sequence length"
             print(f"{side} {args.seq_len} ({seq_note})")
         print(A.describe(arch, lengths, args.batch))
-        from .flop_conventions import side_by_side
+        from .conventions import side_by_side
 
         print("\nthe same step under each flops_convention (the agent's setting; --causal is 'megatron'):")
         print(side_by_side(arch, model, lengths, args.batch))

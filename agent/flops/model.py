@@ -161,7 +161,7 @@ class FlopModel:
         self.lengths: Any = None  # architectures.Lengths of the latest training forward
         self._signature: Any = None
         self._adopted = False  # an architecture read from the unwrapped model: the live one is not re-read
-        self.six_n: Optional[int] = None  # N of flops_convention "6n" (agent/flop_conventions.py)
+        self.six_n: Optional[int] = None  # N of flops_convention "6n" (agent/flops/conventions.py)
         cfg = config
         if cfg.flops_per_step is not None:
             self.source = "user"
@@ -182,7 +182,7 @@ class FlopModel:
         except Exception as exc:  # noqa: BLE001
             errors.count("flops", exc)
         if getattr(cfg, "flops_convention", None) == "6n" and model is not None:
-            from .flop_conventions import six_n_parameters
+            from .conventions import six_n_parameters
 
             try:
                 self.six_n = six_n_parameters(model)
@@ -325,7 +325,7 @@ class FlopModel:
             seq = s.seq_len or seq_len
             if not seq:
                 return None, None
-            from .flop_conventions import dense_flops_per_token
+            from .conventions import dense_flops_per_token
 
             model = dense_flops_per_token(cfg.flops_convention or "palm", s.n_params, s.n_layers, s.d_model,
                                           seq) * tokens_per_step
@@ -389,7 +389,7 @@ class FlopModel:
 
 def flops_breakdown_text(fm: FlopModel, tokens_per_step: Optional[float], seq_len: Optional[int]) -> str:
     """What made the FLOP number: the source, and for the analytic path the per-component table."""
-    from .flop_conventions import CONVENTIONS, formula_inputs
+    from .conventions import CONVENTIONS, formula_inputs
 
     conv = getattr(fm.config, "flops_convention", None) or "palm"
     lines = [f"flops_source: {fm.source or 'none (MFU not reported)'}"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mfuwatch.agent import Agent, ConfigError
-from mfuwatch.agent.flop_conventions import dense_flops_per_token, six_n_parameters
+from mfuwatch.agent.flops.conventions import dense_flops_per_token, six_n_parameters
 from tests.helpers.integration_fixtures import install_fake_clock
 
 transformers = pytest.importorskip("transformers")
@@ -147,7 +147,7 @@ def test_hugging_face_total_flos_is_the_6n_convention():
 def test_mfuwatch_flops_prints_the_three_conventions(tmp_path, capsys):
     import json
 
-    from mfuwatch.agent import flops_cli
+    from mfuwatch.agent.flops import cli as flops_cli
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
