@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from test_torchrun import _free_port_pair, _scrape, _value
+from helpers.net import free_port_pair, scrape
+from test_torchrun import _value
 
 from mfuwatch.agent.live.timeline import read_timeline
 
@@ -19,7 +20,7 @@ from mfuwatch.agent.live.timeline import read_timeline
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_closes_every_rank(tmp_path):
-    base = _free_port_pair()
+    base = free_port_pair()
     timeline = tmp_path / "timeline.jsonl"
     env = dict(os.environ, MFUWATCH_RUN="torchrun-preempt", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -32,7 +33,7 @@ def test_sigterm_to_torchrun_closes_every_rank(tmp_path):
         up = set()
         while time.monotonic() < deadline and proc.poll() is None and len(up) < 2:
             for r in (0, 1):
-                s = _scrape(base + r)
+                s = scrape(f"http://127.0.0.1:{base + r}/metrics", down_ok=True)
                 if s is not None and (_value(s, "mfuwatch_steps_total") or 0) >= 20:
                     up.add(r)
             time.sleep(0.2)
