@@ -44,7 +44,7 @@ def _flops(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     a = Agent(model, opt, config=dict(BASE, report_every_steps=1))
     try:
-        a._seq_len = T
+        a.hooks.seq_len = T  # as the first training forward would set it
         return a.run_info.flops_source, a.flops_per_step(B * T)
     finally:
         a.close()
