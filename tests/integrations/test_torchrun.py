@@ -36,6 +36,7 @@ def test_torchrun_two_ranks_two_exporters_one_notification_sender(tmp_path):
     config = tmp_path / "agent.yaml"
     config.write_text(yaml.safe_dump({
         "report_every_steps": 5,
+        "peak_flops": 1.0e13,  # a fixed peak: a CPU calibration taken while the other rank computes can be too low
         "alerts": {
             "evaluation_interval": "1s",
             "use_default_rules": False,
