@@ -33,7 +33,7 @@ def assert_close(actual: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, wh
     assert bool((err <= bound).all()), f"{what}: max error {float(err.max()):.3e} exceeds tolerance (tol {tol:.1e})"
 
 
-def compile_in_subprocess(script: str, expected: int) -> None:
+def assert_compiles_in_subprocess(script: str, expected: int) -> None:
     """Run ``script`` (Triton AOT compiles for a GPU target, ending with ``print("compiled", n)``) in a fresh
     interpreter without ``TRITON_INTERPRET`` and assert it compiled ``expected`` kernels; skips when this Triton
     has no AOT compile API (``triton.backends.compiler``)."""

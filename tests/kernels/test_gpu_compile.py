@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers.kernel_checks import compile_in_subprocess
+from tests.helpers.kernel_checks import assert_compiles_in_subprocess
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,4 +68,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    compile_in_subprocess(SCRIPT, 48)
+    assert_compiles_in_subprocess(SCRIPT, 48)

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mfuwatch.kernels as mk
 from mfuwatch.kernels.linear_cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy
-from tests.helpers.kernel_checks import DEVICE, assert_close, compile_in_subprocess
+from tests.helpers.kernel_checks import DEVICE, assert_close, assert_compiles_in_subprocess
 from tests.kernels import test_linear_cross_entropy as lce_tests
 from tests.kernels.test_cross_entropy import ref_loss
 
@@ -172,4 +172,4 @@ print("compiled", n)
 def test_recompute_kernels_compile_for_sm90():
     """Both kernels lower to sm_90 code with the default tiles (bf16 operands on wgmma), no GPU needed: the
     interpreter never lowers them (see test_gpu_compile.py for the other kernels)."""
-    compile_in_subprocess(COMPILE_SCRIPT, 8)
+    assert_compiles_in_subprocess(COMPILE_SCRIPT, 8)
