@@ -104,7 +104,8 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
            lambda r: f'sum without (type) (increase({M.GPU_ECC_ERRORS_TOTAL}{{type="uncorrected"}}'
                      f"[{format_duration(r['window'])}]))"),
     Signal("implausible_ratio_increase",
-           "reports whose MFU or HFU came out above 1.0 (impossible; not exported) over the last `window`",
+           "MFU and HFU values that came out above 1.0 (impossible; not exported) over the last `window`; a report "
+           "with both withheld counts 2",
            "count", ("window",), True, _TRAINING,
            lambda r: f"sum without (ratio) (increase({M.IMPLAUSIBLE_RATIO_TOTAL}[{format_duration(r['window'])}]))"),
     Signal("gpu_memory_used_ratio", "device memory used over total (NVML)", "ratio", (), True, _GPU,
