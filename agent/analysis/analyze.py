@@ -251,7 +251,10 @@ def render(wm: Any, title: str = "") -> str:
         ai = "" if o.arithmetic_intensity is None else f"{o.arithmetic_intensity:.3g}"
         t.add_row(o.op, o.bound, f"{o.share:.1%}", f"{o.time_seconds * 1e3 / max(wm.steps, 1):.3f}", str(o.kernels), ai)
     console.print(t)
-    t = Table(title="Suggestions (existing fixes first; alone = applied by itself, in set = on top of those above)")
+    t = Table(title="Suggestions")
+    if wm.suggestions:  # the legend on a line of its own: a table title wraps at the (narrow) table's width
+        console.print("Suggestions, existing fixes first: alone = applied by itself, in set = on top of those above",
+                      soft_wrap=True)
     for c in ("kernel", "kind", "alone", "in set", "ms/step"):
         t.add_column(c, justify="right" if c in ("alone", "in set", "ms/step") else "left")
     for s in wm.suggestions:
