@@ -267,8 +267,13 @@ def render(wm: Any, title: str = "") -> str:
         # console width, and a line broken after `optimizer =` is not Python one can paste
         width = max(len(s.kernel) for s in wm.suggestions)
         console.print("Apply (one line each):")
+        assigned: dict = {}  # `model = torch.compile(model, mode=...)` replaces `model = torch.compile(model)`
         for s in wm.suggestions:
-            console.print(f"  {s.kernel:<{width}}  {s.apply}", soft_wrap=True, markup=False, highlight=False)
+            target = s.apply.split(" = ", 1)[0] if " = " in s.apply and "(" not in s.apply.split(" = ", 1)[0] else None
+            note = f"  # instead of the {assigned[target]} line" if target in assigned else ""
+            if target is not None:
+                assigned.setdefault(target, s.kernel)
+            console.print(f"  {s.kernel:<{width}}  {s.apply}{note}", soft_wrap=True, markup=False, highlight=False)
     if wm.suggestions and wm.combined_gain is not None:
         members = [s.kernel for s in wm.suggestions if not s.covered_by]
         console.print(f"Combined gain of the set ({', '.join(members)}): {wm.combined_gain:.1%} of step time "
