@@ -166,11 +166,12 @@ def _check(cfg) -> int:
         except (SecretError, ValueError) as exc:
             raise AlertConfigError(str(exc)) from None
 
-    print(f"{'rule':<22} {'severity':<9} {'for':>6} {'cooldown':>8}  path        expression")
+    w = max([22] + [len(r.name) for r in cfg.rules])  # the longest name (MfuFarBelowTensorActivity is 25)
+    print(f"{'rule':<{w}} {'severity':<9} {'for':>6} {'cooldown':>8}  path        expression")
     for r in cfg.rules:
         path = "both" if r.in_process else "prometheus"
         state = "" if r.enabled else "  (disabled)"
-        print(f"{r.name:<22} {r.severity:<9} {format_duration(r.for_seconds):>6} "
+        print(f"{r.name:<{w}} {r.severity:<9} {format_duration(r.for_seconds):>6} "
               f"{format_duration(r.cooldown_seconds):>8}  {path:<10}  {rule_expr(r)}{state}")
     print()
     for n in cfg.notifiers:

@@ -236,6 +236,7 @@ class AlertEngine:
                 elif st.state == "firing":
                     st.state, st.resolved_at = "inactive", wall
                     st.resolved_pending = st.notified
+                    self._resolved_text(st, st.value, reason=reason)  # why it ended, not the firing text
                     st.annotations = {**st.annotations, "resolved_reason": reason}
                     record = self._transition(st, "resolved", wall)
                     record["reason"] = reason
@@ -363,24 +364,29 @@ class AlertEngine:
                             st.rule.severity).set(1 if status == "firing" else 0)
         return self._snapshot(st, status).record(now)
 
-    def _resolved_text(self, st: _AlertState, value: Optional[float]) -> None:
+    def _resolved_text(self, st: _AlertState, value: Optional[float], reason: Optional[str] = None) -> None:
         """The annotations of a resolved alert (caller holds the lock): ``summary`` quotes the value that
-        resolved it (``None``: its data ended), ``firing_summary`` keeps the last firing text."""
+        resolved it (``None``: its data ended), ``firing_summary`` keeps the last firing text. With
+        ``reason`` (the run ended or was preempted while it fired) the summary says so and quotes
+        ``value`` as the last one seen; ``resolved_value`` is then empty: no value resolved it."""
         try:
             rule, lab = st.rule, st.labels
             unit = rule.signal.unit
             where = f"run {lab.get('run', '')} rank {lab.get('rank', '')}"
-            if value is None:
+            if reason is not None:
+                now = reason + ("" if value is None else f", last value {format_number(value, unit)}")
+            elif value is None:
                 now = "no data any more (the series ended)"
             else:
                 now = f"now {format_number(value, unit)}"
+            value_text = "" if value is None or reason is not None else format_number(value, unit)
             fired = st.annotations.get("summary")
             st.value = value
             st.annotations = {**st.annotations,
                               "summary": f"Resolved: {rule.name} on {where}: {now}; it fires at {rule.op} "
                                          f"{format_number(rule.threshold, unit)}"
                                          + (f" for {format_duration(rule.for_seconds)}" if rule.for_seconds else ""),
-                              "resolved_value": "" if value is None else format_number(value, unit)}
+                              "resolved_value": value_text}
             if fired:
                 st.annotations["firing_summary"] = fired
         except Exception as exc:  # noqa: BLE001 - a resolved message must go out even without its text

@@ -97,16 +97,21 @@ SIGNALS: Dict[str, Signal] = {s.name: s for s in (
     Signal("gpu_throttle_reasons", "number of the listed NVML clock-event reasons active in the latest sample",
            "count", ("reasons",), True, _GPU,
            lambda r: f'sum without (reason) ({M.GPU_CLOCK_EVENT_REASON}{{reason=~"{_regex(r["reasons"])}"}})'),
+    # the three counts end with their process (`and` the counter itself: no series once it is stale), as the
+    # engine resolves them at close; `increase` alone kept the counted samples for the whole window after the end
     Signal("gpu_xid_errors_increase", "new Xid errors over the last `window`", "count", ("window",), True, _GPU,
-           lambda r: f"increase({M.GPU_XID_ERRORS_TOTAL}[{format_duration(r['window'])}])"),
+           lambda r: f"(increase({M.GPU_XID_ERRORS_TOTAL}[{format_duration(r['window'])}]) "
+                     f"and {M.GPU_XID_ERRORS_TOTAL})"),
     Signal("gpu_ecc_uncorrected_increase", "new uncorrected ECC errors over the last `window`", "count", ("window",),
            True, _GPU,
            lambda r: f'sum without (type) (increase({M.GPU_ECC_ERRORS_TOTAL}{{type="uncorrected"}}'
-                     f"[{format_duration(r['window'])}]))"),
+                     f"[{format_duration(r['window'])}]) and {M.GPU_ECC_ERRORS_TOTAL})"),
     Signal("implausible_ratio_increase",
-           "reports whose MFU or HFU came out above 1.0 (impossible; not exported) over the last `window`",
+           "MFU and HFU values that came out above 1.0 (impossible; not exported) over the last `window`; a report "
+           "with both withheld counts 2",
            "count", ("window",), True, _TRAINING,
-           lambda r: f"sum without (ratio) (increase({M.IMPLAUSIBLE_RATIO_TOTAL}[{format_duration(r['window'])}]))"),
+           lambda r: f"sum without (ratio) (increase({M.IMPLAUSIBLE_RATIO_TOTAL}[{format_duration(r['window'])}]) "
+                     f"and {M.IMPLAUSIBLE_RATIO_TOTAL})"),
     Signal("gpu_memory_used_ratio", "device memory used over total (NVML)", "ratio", (), True, _GPU,
            lambda r: f"{M.GPU_MEMORY_USED_BYTES} / {M.GPU_MEMORY_TOTAL_BYTES}"),
     # both sides over the same interval: the report's MFU and the GPM activity averaged over that report's

@@ -251,18 +251,33 @@ def render(wm: Any, title: str = "") -> str:
         ai = "" if o.arithmetic_intensity is None else f"{o.arithmetic_intensity:.3g}"
         t.add_row(o.op, o.bound, f"{o.share:.1%}", f"{o.time_seconds * 1e3 / max(wm.steps, 1):.3f}", str(o.kernels), ai)
     console.print(t)
-    t = Table(title="Suggestions (existing fixes first; alone = applied by itself, in set = on top of those above)")
-    for c in ("kernel", "kind", "alone", "in set", "ms/step", "apply"):
+    t = Table(title="Suggestions")
+    if wm.suggestions:  # the legend on a line of its own: a table title wraps at the (narrow) table's width
+        console.print("Suggestions, existing fixes first: alone = applied by itself, in set = on top of those above",
+                      soft_wrap=True)
+    for c in ("kernel", "kind", "alone", "in set", "ms/step"):
         t.add_column(c, justify="right" if c in ("alone", "in set", "ms/step") else "left")
     for s in wm.suggestions:
         in_set = (f"covered by {s.covered_by}" if s.covered_by else
                   "" if s.gain_in_set is None else f"{s.gain_in_set:.1%}")
-        t.add_row(s.kernel, s.kind, f"{s.expected_gain:.1%}", in_set, f"{s.time_seconds * 1e3:.3f}", s.apply)
+        t.add_row(s.kernel, s.kind, f"{s.expected_gain:.1%}", in_set, f"{s.time_seconds * 1e3:.3f}")
     console.print(t if wm.suggestions else "No suggestion with an expected gain of 0.5% or more.")
+    if wm.suggestions:
+        # the lines that apply the fixes, each whole on one line (soft_wrap): a table cell wraps them at the
+        # console width, and a line broken after `optimizer =` is not Python one can paste
+        width = max(len(s.kernel) for s in wm.suggestions)
+        console.print("Apply (one line each):")
+        assigned: dict = {}  # `model = torch.compile(model, mode=...)` replaces `model = torch.compile(model)`
+        for s in wm.suggestions:
+            target = s.apply.split(" = ", 1)[0] if " = " in s.apply and "(" not in s.apply.split(" = ", 1)[0] else None
+            note = f"  # instead of the {assigned[target]} line" if target in assigned else ""
+            if target is not None:
+                assigned.setdefault(target, s.kernel)
+            console.print(f"  {s.kernel:<{width}}  {s.apply}{note}", soft_wrap=True, markup=False, highlight=False)
     if wm.suggestions and wm.combined_gain is not None:
         members = [s.kernel for s in wm.suggestions if not s.covered_by]
         console.print(f"Combined gain of the set ({', '.join(members)}): {wm.combined_gain:.1%} of step time "
-                      f"(Amdahl over disjoint op time, not the sum of the parts)")
+                      f"(Amdahl over disjoint op time, not the sum of the parts)", soft_wrap=True)
     return console.export_text().rstrip()
 
 

@@ -121,3 +121,21 @@ def test_check_warns_about_a_placeholder_for_a_label_no_alert_has(tmp_path, caps
     assert "rules.MfuLow.annotations.summary: {labels.rnk} names a label no alert of this rule has (did you mean " \
         "'rank'?)" in err
     assert "{labels.run}" not in err and "{labels.team}" not in err  # a base label and the rule's own label
+
+
+def test_check_table_columns_line_up_for_every_built_in_rule(tmp_path, capsys, monkeypatch):
+    # fresh-user pass (issue 24): MfuFarBelowTensorActivity (25 characters) overflowed the 22-wide name
+    # column, so its severity, for and cool-down sat one column to the right of every other row's
+    monkeypatch.delenv("MFUWATCH_CONFIG", raising=False)
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("port: 9500\n")
+    assert main(["check", "--config", str(cfg)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("rule "))
+    rows = [ln for ln in lines[lines.index(header) + 1:lines.index("")]]
+    assert any(r.startswith("MfuFarBelowTensorActivity ") for r in rows)
+    for col in ("severity", "path"):  # left-aligned columns start where their header does
+        at = header.index(col)
+        assert all(r[at - 1] == " " and r[at] != " " for r in rows), (col, rows)
+    at = header.index("cooldown") + len("cooldown")  # right-aligned: ends where its header ends
+    assert all(r[at - 1] != " " and r[at] == " " for r in rows), rows

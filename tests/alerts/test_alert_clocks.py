@@ -174,3 +174,19 @@ def test_a_resolve_because_the_data_ended_says_so(run_info):
     c.advance(15.0)
     e.evaluate()
     assert events[-1]["status"] == "resolved" and "no data any more" in events[-1]["summary"]
+
+
+def test_a_resolve_at_close_says_why_not_the_firing_text(run_info):
+    # fresh-user pass (issue 24): a SIGTERM during a stall sent a resolved webhook whose summary still read
+    # "Training stalled: no optimizer step for 6.006s" -- the firing text, which on-call reads as still stalled
+    c, e, cap, events = _firing_mfu_low(run_info, 0.1748)
+    e.close(timeout=0.0, reason="run preempted (SIGTERM)")
+    rec = events[-1]
+    assert rec["status"] == "resolved" and rec["reason"] == "run preempted (SIGTERM)"
+    assert rec["summary"] == ("Resolved: MfuLow on run run-a rank 0: run preempted (SIGTERM), last value 17.48%; "
+                              "it fires at < 25% for 10m")
+    assert rec["annotations"]["firing_summary"] == "MFU is 17.48%, below 25% for 10m"
+    assert rec["annotations"]["resolved_reason"] == "run preempted (SIGTERM)"
+    assert rec["annotations"]["resolved_value"] == ""  # no value resolved it: the run did
+    resolved = [a for n in cap.sent for a in n.alerts if a.status == "resolved"]
+    assert [a.annotations["summary"] for a in resolved] == [rec["summary"]]

@@ -160,3 +160,29 @@ def test_example_alertmanager_inhibits_like_the_engine():
     engine_default = [i.to_dict() for i in load_config(None).inhibit_rules]
     assert am["inhibit_rules"] == engine_default
     assert am["route"]["group_by"] == list(load_config(None).group_by)
+
+
+def test_promtool_count_alerts_end_with_the_process(promtool, tmp_path):
+    # fresh-user pass (issue 24), on a real Prometheus 2.42: MfuImplausible kept firing after the job had ended
+    # and its target was gone (increase over [10m] still held the counted samples), while the engine had
+    # resolved it "run ended". The counter rules now end with their series, as the job rules do.
+    ended = "0 0 0 1 1 stale"  # counted at 3m; the process ends after 4m (its series goes stale at 5m)
+    cases = {"MfuImplausible": [f'mfuwatch_implausible_ratio_total{{{S},ratio="mfu"}}'],
+             "GpuXidErrors": [f"mfuwatch_gpu_xid_errors_total{{{S}}}"],
+             "GpuEccErrors": [f'mfuwatch_gpu_ecc_errors_total{{{S},type="uncorrected"}}']}
+    cfg = load_config(None)
+    tests = []
+    for name, series in cases.items():
+        rule = cfg.rule(name)
+        firing = {"exp_labels": {"severity": rule.severity, "run": "r", "rank": "0"},
+                  "exp_annotations": expected_annotations(rule, "0", 1.0, CASES[name][4])}
+        tests.append({"name": name, "interval": "1m",
+                      "input_series": [{"series": s, "values": ended} for s in series],
+                      "alert_rule_test": [{"eval_time": "4m", "alertname": name, "exp_alerts": [firing]},
+                                          {"eval_time": "6m", "alertname": name, "exp_alerts": []},
+                                          {"eval_time": "12m", "alertname": name, "exp_alerts": []}]})
+    test_file = tmp_path / "ended_test.yml"
+    test_file.write_text(yaml.safe_dump({"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m",
+                                         "tests": tests}, sort_keys=False, width=10_000))
+    out = subprocess.run([promtool, "test", "rules", str(test_file)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

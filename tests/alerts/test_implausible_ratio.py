@@ -59,7 +59,9 @@ def test_engine_fires_mfu_implausible_and_resolves_when_the_window_has_passed(cl
     e.evaluate()
     assert e.state("MfuImplausible") == "firing"  # for: 0s
     alert = [a for n in cap.sent for a in n.alerts if a.name == "MfuImplausible"][0]
-    assert alert.value == 2.0 and "2 report(s) withheld in 10m" in alert.annotations["summary"]
+    # one report, two values withheld: the text counts values, not reports (fresh-user pass: it said "2 report(s)")
+    assert alert.value == 2.0 and "2 MFU/HFU value(s) withheld in 10m" in alert.annotations["summary"]
+    assert "report(s)" not in alert.annotations["summary"] + alert.annotations["description"]
     assert e.state("MfuLow") == "inactive"  # the withheld MFU does not read as a low one either
     for _ in range(10):  # plausible reports for 10 more minutes: the withheld one leaves the window
         clock.advance(60)

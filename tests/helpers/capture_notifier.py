@@ -10,6 +10,7 @@ class Capture:
 
     def __init__(self):
         self.sent = []
+        self.undelivered = []  # as a NotifierWorker's: everything is delivered at once
 
     def submit(self, notification):
         self.sent.append(notification)

@@ -125,3 +125,25 @@ def test_kernels_without_device_properties_still_ask_for_the_peaks(tmp_path, cap
 def test_malformed_peak_flops_flag(capsys):
     assert main([LLAMA, "--peak-flops", "bf17=1e12", "--bandwidth", "1e12"]) == 1
     assert "--peak-flops" in capsys.readouterr().err
+
+
+def test_every_apply_line_is_printed_whole_on_one_line(capsys):
+    # fresh-user pass (issue 24): the apply column wrapped at 120 columns, so the line copied from the table was
+    # "optimizer =" / "torch.optim.AdamW(model.parameters(), lr=lr," / "fused=True)": not Python one can paste
+    assert main([LLAMA, "--json"]) == 0
+    wm = window_from_record(json.loads(capsys.readouterr().out))
+    assert main([LLAMA]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(wm.suggestions) >= 3
+    apply = {s.kernel: [ln.split(None, 1)[1] for ln in lines if ln.startswith(f"  {s.kernel} ")]
+             for s in wm.suggestions}
+    for s in wm.suggestions:
+        assert len(apply[s.kernel]) == 1 and apply[s.kernel][0].startswith(s.apply), (s.kernel, apply[s.kernel])
+    # both compile lines assign `model`: pasting both would compile the compiled model; the second says so
+    assert apply["torch_compile"] == ["model = torch.compile(model)"]
+    assert apply["cuda_graphs"] == ['model = torch.compile(model, mode="reduce-overhead")  '
+                                    '# instead of the torch_compile line']
+    assert apply["fused_adamw"] == [s.apply for s in wm.suggestions if s.kernel == "fused_adamw"]
+    combined = [ln for ln in lines if ln.startswith("Combined gain of the set")]
+    assert len(combined) == 1 and combined[0].endswith("not the sum of the parts)")
+    assert f"{wm.combined_gain:.1%} of step time" in combined[0]
