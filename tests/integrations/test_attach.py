@@ -31,10 +31,11 @@ STEPS, BATCH, SEQ = 8, 4, 16
 KEYS = ("step", "steps", "tokens", "model_flops", "hardware_flops")
 
 
-def _config(tmp_path: Path, timeline: Path) -> Path:
+def _config(tmp_path: Path, timeline: Path, report_every_steps: int = 1) -> Path:
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(yaml.safe_dump({"exporter": False, "nvml": False, "profile_every": "off", "alerts": False,
-                                   "report_every_steps": 1, "timeline": str(timeline), "progress": False}))
+                                   "report_every_steps": report_every_steps, "timeline": str(timeline),
+                                   "progress": False}))
     return cfg
 
 
@@ -83,6 +84,22 @@ def test_run_attaches_to_an_unmodified_script_with_the_records_of_watch(tmp_path
     assert a_run["flops_source"] == w_run["flops_source"] == "flop_counter"
     assert a_result == w_result  # the job's losses and weights are its own
     assert "attaching failed" not in a_err
+
+
+def test_reports_of_n_steps_cover_the_job_steps_2_to_n_plus_1(tmp_path):
+    """``report_every_steps: 3`` over 8 job steps: reports of steps 2..4, 5..7 and (at exit) 8.
+
+    The job's step 1 ran before the agent existed: it is in no report (counted neither as a step nor in
+    the tokens), so each report's ``steps`` and ``tokens`` agree (B x T = 4 x 16 per step, by hand).
+    """
+    tl = tmp_path / "tl.jsonl"
+    cfg = _config(tmp_path, tl, report_every_steps=3)
+    script = [sys.executable, str(SCRIPT), "--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ)]
+    p = subprocess.run(_mfuwatch("run", "--config", str(cfg), "--", *script), env=_env(), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [(s["step"], s["steps"], s["tokens"]) for s in _steps(tl)]
+    assert got == [(4, 3, 3 * BATCH * SEQ), (7, 3, 3 * BATCH * SEQ), (8, 1, BATCH * SEQ)], p.stderr[-2000:]
 
 
 def _torchrun(tmp_path: Path, cfg: Path, extra: list, attach: bool) -> subprocess.CompletedProcess:
