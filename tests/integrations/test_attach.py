@@ -174,6 +174,48 @@ def test_bad_config_fails_before_the_job_starts(tmp_path):
     assert not marker.exists()
 
 
+def test_a_bad_config_in_mfuwatch_config_fails_before_the_job_starts(tmp_path):
+    """Without ``--config`` the agent reads ``$MFUWATCH_CONFIG``: ``mfuwatch run`` checks that one instead."""
+    (tmp_path / "bad.yaml").write_text("report_every_step: 5\n")
+    marker = tmp_path / "ran"
+    p = subprocess.run(_mfuwatch("run", "--", "touch", str(marker)), env=_env(MFUWATCH_CONFIG="bad.yaml"),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "did you mean 'report_every_steps'" in p.stderr
+    assert not marker.exists()
+    p = subprocess.run(_mfuwatch("run", "--", "touch", str(marker)), env=_env(MFUWATCH_CONFIG="missing.yaml"),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "MFUWATCH_CONFIG: file not found: missing.yaml" in p.stderr
+    assert not marker.exists()
+    _config(tmp_path, tmp_path / "tl.jsonl")  # a good one, named relative to the working directory
+    code = "import os; print(os.environ['MFUWATCH_CONFIG'])"
+    p = subprocess.run(_mfuwatch("run", "--", sys.executable, "-c", code), env=_env(MFUWATCH_CONFIG="agent.yaml"),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == str((tmp_path / "agent.yaml").resolve()), p.stderr
+
+
+def test_disable_runs_the_command_as_without_mfuwatch_even_with_a_bad_config(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("report_every_step: 5\n")
+    marker = tmp_path / "ran"
+    p = subprocess.run(_mfuwatch("run", "--config", str(cfg), "--", "touch", str(marker)),
+                       env=_env(MFUWATCH_DISABLE="1"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=", "true"], "--config: expected a file name"),
+    (["--config", "{tmp}", "true"], "--config: not a file: {tmp}"),
+    (["--print-env", "--", "true"], "--print-env takes no command"),
+    (["--"], "no command given"),
+])
+def test_usage_errors_exit_2_before_anything_runs(tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    p = subprocess.run(_mfuwatch("run", *args), env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and message.format(tmp=tmp_path) in p.stderr, p.stderr
+    assert p.stdout == ""
+
+
 def test_the_bootstrap_chains_to_the_sitecustomize_it_shadows(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
