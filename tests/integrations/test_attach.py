@@ -330,6 +330,31 @@ def test_failing_attach_leaves_the_job_unchanged_with_one_warning(attacher_facto
     assert not module_mod._has_any_global_hook()
 
 
+def test_a_model_compiled_in_place_is_not_attached_one_warning_and_the_job_unchanged(attacher_factory, tmp_path,
+                                                                                      caplog):
+    """``module.compile()`` runs the module's hooks inside the compiled graph (the agent's FLOP counting with
+    them): the attach gives up with the documented warning, builds no agent, and the losses are the job's own."""
+    from mfuwatch.agent.core import Agent
+
+    torch.manual_seed(0)
+    ref_net = _Net()
+    ref = _train(ref_net, torch.optim.SGD(ref_net.parameters(), lr=0.1), 4)
+    torch.manual_seed(0)
+    net = _Net()
+    net.compile(backend="aot_eager")
+    made = []
+    a = attacher_factory(lambda m, o: made.append(m) or Agent(m, o, **_agent_kwargs(tmp_path / "tl.jsonl")))
+    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
+        got = _train(net, torch.optim.SGD(net.parameters(), lr=0.1), 4)
+    assert a.state == "failed" and made == [] and a.agent is None
+    warnings = [r.getMessage() for r in caplog.records if "attaching failed" in r.getMessage()]
+    assert len(warnings) == 1 and "module.compile()" in warnings[0] and "torch.compile(model)" in warnings[0]
+    assert got == pytest.approx(ref, rel=1e-6)
+    from torch.nn.modules import module as module_mod
+
+    assert not module_mod._has_any_global_hook()
+
+
 def test_attach_picks_the_called_module_of_the_optimizer_not_an_outer_container(attacher_factory, tmp_path):
     """A LightningModule-like container holds the model but is never called: the model is what is called."""
     from mfuwatch.agent.core import Agent
