@@ -226,6 +226,23 @@ def test_the_bootstrap_chains_to_the_sitecustomize_it_shadows(tmp_path):
     assert p.stdout.split() == ["True", "False"], p.stderr  # chained; and torch is not imported by the bootstrap
 
 
+def test_mfuwatch_pythonpath_is_appended_after_site_packages_once_torch_is_imported(tmp_path):
+    """mfuwatch installed apart (``pip install --target DIR``, the Kubernetes initContainer) with its own copies
+    of packages the job has too: ``MFUWATCH_PYTHONPATH=DIR`` makes DIR a fallback, so the job's yaml stays its own."""
+    extra = tmp_path / "extra"
+    (extra / "yaml").mkdir(parents=True)
+    (extra / "yaml" / "__init__.py").write_text("SHADOW = True\n")  # an older copy the job must not get
+    (extra / "only_in_extra.py").write_text("")
+    env = attach_env(_env(MFUWATCH_PYTHONPATH=str(extra)))
+    code = ("import importlib.util, sys; before = importlib.util.find_spec('only_in_extra') is not None; "
+            "import torch, yaml, only_in_extra; "
+            "print(before, getattr(yaml, 'SHADOW', False), sys.path[-1] == sys.argv[1])")
+    p = subprocess.run([sys.executable, "-c", code, str(extra)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "False", "True"]
+
+
 def test_the_bootstrap_waits_for_the_real_import_of_torch_not_a_probe():
     """Libraries probe with importlib.util.find_spec("torch") (transformers does) before importing it."""
     code = ("import importlib.util, sys; importlib.util.find_spec('torch'); "
