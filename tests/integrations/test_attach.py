@@ -216,6 +216,24 @@ def test_usage_errors_exit_2_before_anything_runs(tmp_path, args, message):
     assert p.stdout == ""
 
 
+def test_an_empty_pythonpath_entry_still_means_the_working_directory(tmp_path):
+    """``export PYTHONPATH=$PYTHONPATH:/x`` with none set gives ":/x": Python reads the empty entry as the working
+    directory, so a script in a subdirectory imports the job's local modules. Under ``mfuwatch run`` too."""
+    (tmp_path / "localmod.py").write_text("VALUE = 7\n")
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "sub" / "train.py"
+    script.write_text("import localmod, sys; print(localmod.VALUE)\n")
+    env = _env(PYTHONPATH=os.pathsep + str(tmp_path / "nowhere"))
+    plain = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert plain.stdout.strip() == "7", plain.stderr  # the premise: plain Python finds it
+    p = subprocess.run(_mfuwatch("run", sys.executable, str(script)), env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "7", p.stderr[-2000:]
+    assert attach_env({"PYTHONPATH": "/a" + os.pathsep}) == {"PYTHONPATH": os.pathsep.join([bootstrap_dir(), "/a", ""])}
+    assert attach_env({"PYTHONPATH": ""}) == attach_env({}) == {"PYTHONPATH": bootstrap_dir()}
+
+
 def test_the_bootstrap_chains_to_the_sitecustomize_it_shadows(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
