@@ -68,7 +68,10 @@ def _task_env_from_prolog(stdout: str, base: dict) -> dict:
 
 
 def test_task_prolog_exports_the_bootstrap_and_its_opt_out_exports_nothing(tmp_path, mfuwatch_cmd):
-    cfg = tmp_path / "agent.yaml"
+    """slurmstepd sets the text after '=' literally (no shell unquoting): the lines must carry no quotes, also
+    for a config path with a space in it."""
+    (tmp_path / "site config").mkdir()
+    cfg = tmp_path / "site config" / "agent.yaml"
     cfg.write_text("exporter: false\nnvml: false\nprofile_every: 'off'\nalerts: false\n")
     base = _env(MFUWATCH=str(mfuwatch_cmd), MFUWATCH_SITE_CONFIG=str(cfg), SLURM_JOB_ID="42")
     p = subprocess.run(["bash", str(SLURM / "mfuwatch-task-prolog.sh")], env=base, capture_output=True, text=True,
@@ -87,6 +90,16 @@ def test_task_prolog_exports_the_bootstrap_and_its_opt_out_exports_nothing(tmp_p
                        env=dict(base, MFUWATCH_SITE_CONFIG=str(tmp_path / "none.yaml")), capture_output=True,
                        text=True, timeout=60)
     assert p.stdout.splitlines() == [f"export PYTHONPATH={bootstrap_dir()}", "export MFUWATCH_JOB=slurm-42"]
+    # a bad site config: nothing of the bootstrap, the task still starts (status 0), the reason on stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("report_every_step: 5\n")
+    p = subprocess.run(["bash", str(SLURM / "mfuwatch-task-prolog.sh")], env=dict(base, MFUWATCH_SITE_CONFIG=str(bad)),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == "" and "report_every_step" in p.stderr
+    # the task's own PYTHONPATH stays behind the bootstrap
+    p = subprocess.run(["bash", str(SLURM / "mfuwatch-task-prolog.sh")], env=dict(base, PYTHONPATH="/opt/my lib"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.stdout.splitlines()[0] == f"export PYTHONPATH={bootstrap_dir()}{os.pathsep}/opt/my lib"
 
 
 def test_srun_wrapper_gives_every_task_the_bootstrap_and_disable_keeps_it_out(tmp_path, mfuwatch_cmd):
