@@ -3,7 +3,8 @@
     mfuwatch run python train.py --lr 3e-4
     mfuwatch run --config mfuwatch.yaml -- torchrun --nproc-per-node 8 train.py
     mfuwatch run -- accelerate launch train.py
-    eval "$(mfuwatch run --print-env)"      # the same for every later command of a shell / Slurm prolog
+    eval "$(mfuwatch run --print-env)"      # the same for every later command of a shell (shell-quoted;
+                                            # a Slurm TaskProlog: docs/examples/slurm/mfuwatch-task-prolog.sh)
 
 The command replaces this process (``exec``): signals reach it directly and its exit code is
 the exit code of ``mfuwatch run``. A bad config (``--config``, else ``$MFUWATCH_CONFIG``) fails
