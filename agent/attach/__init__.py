@@ -27,11 +27,14 @@ def bootstrap_dir() -> str:
 
 
 def attach_env(environ: Mapping[str, str], config: Optional[str] = None) -> Dict[str, str]:
-    """``environ`` plus what injects the agent: :func:`bootstrap_dir` prepended to ``PYTHONPATH`` (once),
-    ``MFUWATCH_CONFIG`` (an absolute path) when ``config`` is given."""
+    """``environ`` plus what injects the agent: :func:`bootstrap_dir` prepended to ``PYTHONPATH`` (once; the other
+    entries, empty ones included, unchanged), ``MFUWATCH_CONFIG`` (an absolute path) when ``config`` is given."""
     env = dict(environ)
     boot = bootstrap_dir()
-    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
+    old = env.get("PYTHONPATH", "")
+    # an empty entry of a non-empty PYTHONPATH (":/x", "/x:", what `export PYTHONPATH=$PYTHONPATH:/x` makes of
+    # an unset one) is Python's working directory: kept, or the job's local modules would stop importing
+    parts = [p for p in old.split(os.pathsep) if p != boot] if old else []
     env["PYTHONPATH"] = os.pathsep.join([boot] + parts)
     if config:
         env["MFUWATCH_CONFIG"] = str(Path(config).resolve())

@@ -18,7 +18,10 @@ then on:
    module in place and needs nothing; a ``torch.compile`` wrapper (``OptimizedModule``) is kept as
    it is, since hooks added to the module inside a compiled region are not run by the compiled
    code, while the wrapper's own hooks run eagerly (its ``config`` and modules are the original
-   model's). An :class:`~mfuwatch.agent.core.Agent` is built on that module and optimizer with
+   model's). A module compiled in place (``module.compile()``) runs its hooks, the agent's FLOP
+   counting among them, inside the compiled graph: it is not attached (``attaching failed``). The
+   global hooks themselves always run eagerly (``torch.compiler.disable``). An
+   :class:`~mfuwatch.agent.core.Agent` is built on that module and optimizer with
    the configuration of ``watch()`` (``$MFUWATCH_CONFIG``, keyword-free), numbered so that its
    first step is the job's step 2: that step is timed from the start of its first forward (as
    ``watch()`` times its step 1), its tokens and FLOPs are those of ``watch()``. The global hooks
@@ -89,6 +92,16 @@ def unwrap(module: nn.Module) -> nn.Module:
     return m
 
 
+def _eager(fn: Any) -> Any:
+    """``fn`` run eagerly even when called from code ``torch.compile`` traces (the global module hooks run
+    inside a module compiled in place with ``module.compile()``): the attacher builds an agent, opens files
+    and logs, none of which belongs in a graph. ``fn`` itself where torch has no ``torch.compiler.disable``."""
+    try:
+        return torch.compiler.disable(fn)
+    except Exception:  # noqa: BLE001
+        return fn
+
+
 def _holds_any(module: nn.Module, ids: set) -> bool:
     return any(id(p) in ids for p in module.parameters())
 
@@ -131,8 +144,7 @@ class Attacher:
                 self.fail(exc)
         elif self.state == "choosing" and optimizer is self.optimizer:
             self.fail(RuntimeError("no forward of a module holding the optimizer's parameters ran between its "
-                                   "first two steps (a model compiled in place with module.compile() hides its "
-                                   "forwards; torch.compile(model) does not)"))
+                                   "first two steps (parameters used outside any nn.Module?)"))
 
     def _begin_choosing(self, optimizer: Any) -> None:
         from .. import core as lifecycle  # the registry of live agents (_live_agents)
@@ -149,8 +161,8 @@ class Attacher:
 
         warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING)
         self._filter = warnings.filters[0]
-        self._pre_handle = module_mod.register_module_forward_pre_hook(self._before_forward)
-        self._post_handle = module_mod.register_module_forward_hook(self._after_forward, with_kwargs=True)
+        self._pre_handle = module_mod.register_module_forward_pre_hook(_eager(self._before_forward))
+        self._post_handle = module_mod.register_module_forward_hook(_eager(self._after_forward), with_kwargs=True)
         self.state = "choosing"
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
@@ -160,6 +172,12 @@ class Attacher:
         try:
             if not _holds_any(module, self._ids):
                 return
+            for m in (module, unwrap(module)):
+                if getattr(m, "_compiled_call_impl", None) is not None:
+                    raise RuntimeError(
+                        f"the model ({type(m).__name__}) is compiled in place with module.compile(): its hooks run "
+                        "inside the compiled graph, where the agent cannot count its steps' FLOPs; "
+                        "model = torch.compile(model) can be watched")
             self._attach(module, args)
         except Exception as exc:  # noqa: BLE001
             self.fail(exc)

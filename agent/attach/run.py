@@ -3,11 +3,13 @@
     mfuwatch run python train.py --lr 3e-4
     mfuwatch run --config mfuwatch.yaml -- torchrun --nproc-per-node 8 train.py
     mfuwatch run -- accelerate launch train.py
-    eval "$(mfuwatch run --print-env)"      # the same for every later command of a shell / Slurm prolog
+    eval "$(mfuwatch run --print-env)"      # the same for every later command of a shell (shell-quoted;
+                                            # a Slurm TaskProlog: docs/examples/slurm/mfuwatch-task-prolog.sh)
 
 The command replaces this process (``exec``): signals reach it directly and its exit code is
-the exit code of ``mfuwatch run``. A bad ``--config`` fails here, before the job starts
-(exit 2), naming the field. ``MFUWATCH_DISABLE=1`` in the environment keeps the agent out.
+the exit code of ``mfuwatch run``. A bad config (``--config``, else ``$MFUWATCH_CONFIG``) fails
+here, before the job starts (exit 2), naming the field. ``MFUWATCH_DISABLE=1`` in the environment
+keeps the agent out: the command runs as it would without mfuwatch (its config is not read).
 """
 
 from __future__ import annotations
@@ -52,8 +54,25 @@ def _parse(argv: Sequence[str]):
     return "run", config, print_env, args[i:]
 
 
+def _check_config(path: str, source: str) -> Optional[str]:
+    """The agent's start-up validation of the config file ``path``: ``None`` when it loads, else the message
+    (``source``: where the path came from, ``--config`` or ``MFUWATCH_CONFIG``)."""
+    from ..config import ConfigError, load_config
+
+    if not os.path.exists(path):
+        return f"{source}: file not found: {path}"
+    if not os.path.isfile(path):
+        return f"{source}: not a file: {path}"
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        return f"{path}: {exc}"
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Validate ``--config``, then ``exec`` the command with the bootstrap in its environment.
+    """Validate the config (``--config``, else ``$MFUWATCH_CONFIG``; not when ``MFUWATCH_DISABLE`` is set), then
+    ``exec`` the command with the bootstrap in its environment.
 
     Returns (only when the command could not be started): 2 for a usage or configuration error,
     127 for a command not found, 126 for one that cannot be executed.
@@ -67,28 +86,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     if what == "help":
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n", 1)[1])
         return 0
-    if config is not None:
-        from ..config import ConfigError, load_config
-
-        if not os.path.isfile(config):
-            print(f"mfuwatch run: --config: file not found: {config}", file=sys.stderr)
-            return 2
-        try:
-            load_config(config)
-        except ConfigError as exc:
-            print(f"mfuwatch run: {config}: {exc}", file=sys.stderr)
-            return 2
-    env = attach_env(os.environ, config)
+    if config == "":
+        print(f"mfuwatch run: --config: expected a file name\n{USAGE}", file=sys.stderr)
+        return 2
+    if print_env and cmd:
+        print(f"mfuwatch run: --print-env takes no command (got {cmd[0]!r})\n{USAGE}", file=sys.stderr)
+        return 2
+    if not print_env and not cmd:
+        print(f"mfuwatch run: no command given\n{USAGE}", file=sys.stderr)
+        return 2
+    disabled = os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if disabled and not print_env:
+        env = dict(os.environ)  # opted out: the command runs exactly as without mfuwatch, config unread
+    else:
+        if config is None and os.environ.get("MFUWATCH_CONFIG"):
+            config, source = os.environ["MFUWATCH_CONFIG"], "MFUWATCH_CONFIG"  # what the agent would read
+        else:
+            source = "--config"
+        if config is not None:
+            bad = _check_config(config, source)
+            if bad:
+                print(f"mfuwatch run: {bad}", file=sys.stderr)
+                return 2
+        env = attach_env(os.environ, config)
     if print_env:
         keys = ["PYTHONPATH"] + (["MFUWATCH_CONFIG"] if config else [])
         for k in keys:
             print(f"export {k}={shlex.quote(env[k])}")
         return 0
-    if not cmd:
-        print(f"mfuwatch run: no command given\n{USAGE}", file=sys.stderr)
-        return 2
-    if env.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        env = dict(os.environ)  # opted out: the command runs exactly as without mfuwatch
     sys.stdout.flush()
     sys.stderr.flush()
     try:

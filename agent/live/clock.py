@@ -73,6 +73,7 @@ class StepClock:
         self._lock = threading.Lock()
         self._last: Optional[Boundary] = None  # last resolved boundary (start of next interval)
         self._merged_tokens = 0  # tokens of boundaries merged away under pressure
+        self._base = 0  # optimizer steps done before this clock started (start(step=)): never this clock's
 
     def _marker(self) -> Any:
         if self.cuda:
@@ -113,9 +114,12 @@ class StepClock:
         """Record a starting boundary so the next step (``step + 1``) is timed too.
 
         ``step``: the optimizer steps already done before this clock started (``mfuwatch run`` attaches
-        after the job's first one)."""
+        after the job's first one). They are not this clock's: its first interval is step ``step + 1``,
+        and they are counted in no interval (the job's step 1 is not measured, nor counted in
+        ``mfuwatch_steps_total``)."""
         with self._lock:
             if self._last is None and not self._pending:
+                self._base = step  # the start mark closes no step of this clock: steps 1..step are not counted
                 self._pending.append(Boundary(step=step, tokens=0, wall=self._wall(), marker=self._marker()))
 
     def _done(self, b: Boundary) -> bool:
@@ -142,7 +146,7 @@ class StepClock:
             prev = self._last
             self._last = b
             if b.gap:
-                done = prev.step if prev is not None else 0
+                done = prev.step if prev is not None else self._base
                 if b.step > done:  # steps whose own boundaries were merged away: counted, untimed
                     out.append(Interval(done + 1, b.step, b.step - done, float("nan"), b.tokens + extra, b.wall))
                 elif extra:
@@ -150,9 +154,11 @@ class StepClock:
                         self._merged_tokens += extra  # belongs to the next interval
                 continue
             if prev is None:
-                if b.step > 0:  # first boundary without a start mark (or the start merged away): untimed,
-                    # and it covers every step since the agent began (steps 1..b.step), merged ones included
-                    out.append(Interval(1, b.step, b.step, float("nan"), b.tokens + extra, b.wall, b.loss))
+                base = self._base
+                if b.step > base:  # first boundary without a start mark (or the start merged away): untimed,
+                    # and it covers every step since the clock began (steps base+1..b.step), merged ones included
+                    out.append(Interval(base + 1, b.step, b.step - base, float("nan"), b.tokens + extra, b.wall,
+                                        b.loss))
                 continue
             out.append(
                 Interval(

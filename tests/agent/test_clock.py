@@ -74,3 +74,31 @@ def test_gap_after_merged_boundaries_counts_their_steps_untimed():
     ivs = c.poll()
     assert sum(i.steps for i in ivs) == 3 and sum(i.tokens for i in ivs) == 17
     assert ivs[-1].first_step == 3 and ivs[-1].seconds == 1.0
+
+
+def test_start_after_steps_done_elsewhere_counts_only_its_own_steps():
+    """``start(step=1)`` (``mfuwatch run`` attaches after the job's step 1): the start mark closes no step.
+
+    Hand-built: marks 2, 3, 4 after a start at step 1 are three timed one-step intervals; step 1 is in none.
+    """
+    now = FakeClock(100.0)
+    c = StepClock(torch.device("cpu"), now=now, wall=lambda: 1e9)
+    c.start(step=1)
+    for step, dt, tok in ((2, 0.5, 10), (3, 0.25, 20), (4, 1.0, 30)):
+        now.t += dt
+        c.mark(step, tok)
+    ivs = c.poll()
+    assert [(i.first_step, i.last_step, i.steps, i.seconds, i.tokens) for i in ivs] == [
+        (2, 2, 1, 0.5, 10), (3, 3, 1, 0.25, 20), (4, 4, 1, 1.0, 30)]
+
+
+def test_start_after_steps_done_elsewhere_then_merged_away_counts_from_the_next_step():
+    now = FakeClock(100.0)
+    c = StepClock(torch.device("cpu"), now=now, max_pending=2)
+    c.start(step=1)
+    for step in (2, 3):
+        now.t += 1.0
+        c.mark(step, 5)  # the start mark is merged away (max_pending=2): step 2 is the untimed first interval
+    ivs = c.poll()
+    assert [(i.first_step, i.last_step, i.steps, i.tokens) for i in ivs] == [(2, 2, 1, 5), (3, 3, 1, 5)]
+    assert math.isnan(ivs[0].seconds) and ivs[1].seconds == 1.0

@@ -31,10 +31,11 @@ STEPS, BATCH, SEQ = 8, 4, 16
 KEYS = ("step", "steps", "tokens", "model_flops", "hardware_flops")
 
 
-def _config(tmp_path: Path, timeline: Path) -> Path:
+def _config(tmp_path: Path, timeline: Path, report_every_steps: int = 1) -> Path:
     cfg = tmp_path / "agent.yaml"
     cfg.write_text(yaml.safe_dump({"exporter": False, "nvml": False, "profile_every": "off", "alerts": False,
-                                   "report_every_steps": 1, "timeline": str(timeline), "progress": False}))
+                                   "report_every_steps": report_every_steps, "timeline": str(timeline),
+                                   "progress": False}))
     return cfg
 
 
@@ -83,6 +84,22 @@ def test_run_attaches_to_an_unmodified_script_with_the_records_of_watch(tmp_path
     assert a_run["flops_source"] == w_run["flops_source"] == "flop_counter"
     assert a_result == w_result  # the job's losses and weights are its own
     assert "attaching failed" not in a_err
+
+
+def test_reports_of_n_steps_cover_the_job_steps_2_to_n_plus_1(tmp_path):
+    """``report_every_steps: 3`` over 8 job steps: reports of steps 2..4, 5..7 and (at exit) 8.
+
+    The job's step 1 ran before the agent existed: it is in no report (counted neither as a step nor in
+    the tokens), so each report's ``steps`` and ``tokens`` agree (B x T = 4 x 16 per step, by hand).
+    """
+    tl = tmp_path / "tl.jsonl"
+    cfg = _config(tmp_path, tl, report_every_steps=3)
+    script = [sys.executable, str(SCRIPT), "--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ)]
+    p = subprocess.run(_mfuwatch("run", "--config", str(cfg), "--", *script), env=_env(), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [(s["step"], s["steps"], s["tokens"]) for s in _steps(tl)]
+    assert got == [(4, 3, 3 * BATCH * SEQ), (7, 3, 3 * BATCH * SEQ), (8, 1, BATCH * SEQ)], p.stderr[-2000:]
 
 
 def _torchrun(tmp_path: Path, cfg: Path, extra: list, attach: bool) -> subprocess.CompletedProcess:
@@ -157,6 +174,66 @@ def test_bad_config_fails_before_the_job_starts(tmp_path):
     assert not marker.exists()
 
 
+def test_a_bad_config_in_mfuwatch_config_fails_before_the_job_starts(tmp_path):
+    """Without ``--config`` the agent reads ``$MFUWATCH_CONFIG``: ``mfuwatch run`` checks that one instead."""
+    (tmp_path / "bad.yaml").write_text("report_every_step: 5\n")
+    marker = tmp_path / "ran"
+    p = subprocess.run(_mfuwatch("run", "--", "touch", str(marker)), env=_env(MFUWATCH_CONFIG="bad.yaml"),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "did you mean 'report_every_steps'" in p.stderr
+    assert not marker.exists()
+    p = subprocess.run(_mfuwatch("run", "--", "touch", str(marker)), env=_env(MFUWATCH_CONFIG="missing.yaml"),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "MFUWATCH_CONFIG: file not found: missing.yaml" in p.stderr
+    assert not marker.exists()
+    _config(tmp_path, tmp_path / "tl.jsonl")  # a good one, named relative to the working directory
+    code = "import os; print(os.environ['MFUWATCH_CONFIG'])"
+    p = subprocess.run(_mfuwatch("run", "--", sys.executable, "-c", code), env=_env(MFUWATCH_CONFIG="agent.yaml"),
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == str((tmp_path / "agent.yaml").resolve()), p.stderr
+
+
+def test_disable_runs_the_command_as_without_mfuwatch_even_with_a_bad_config(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("report_every_step: 5\n")
+    marker = tmp_path / "ran"
+    p = subprocess.run(_mfuwatch("run", "--config", str(cfg), "--", "touch", str(marker)),
+                       env=_env(MFUWATCH_DISABLE="1"), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config=", "true"], "--config: expected a file name"),
+    (["--config", "{tmp}", "true"], "--config: not a file: {tmp}"),
+    (["--print-env", "--", "true"], "--print-env takes no command"),
+    (["--"], "no command given"),
+])
+def test_usage_errors_exit_2_before_anything_runs(tmp_path, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    p = subprocess.run(_mfuwatch("run", *args), env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and message.format(tmp=tmp_path) in p.stderr, p.stderr
+    assert p.stdout == ""
+
+
+def test_an_empty_pythonpath_entry_still_means_the_working_directory(tmp_path):
+    """``export PYTHONPATH=$PYTHONPATH:/x`` with none set gives ":/x": Python reads the empty entry as the working
+    directory, so a script in a subdirectory imports the job's local modules. Under ``mfuwatch run`` too."""
+    (tmp_path / "localmod.py").write_text("VALUE = 7\n")
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "sub" / "train.py"
+    script.write_text("import localmod, sys; print(localmod.VALUE)\n")
+    env = _env(PYTHONPATH=os.pathsep + str(tmp_path / "nowhere"))
+    plain = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert plain.stdout.strip() == "7", plain.stderr  # the premise: plain Python finds it
+    p = subprocess.run(_mfuwatch("run", sys.executable, str(script)), env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "7", p.stderr[-2000:]
+    assert attach_env({"PYTHONPATH": "/a" + os.pathsep}) == {"PYTHONPATH": os.pathsep.join([bootstrap_dir(), "/a", ""])}
+    assert attach_env({"PYTHONPATH": ""}) == attach_env({}) == {"PYTHONPATH": bootstrap_dir()}
+
+
 def test_the_bootstrap_chains_to_the_sitecustomize_it_shadows(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
@@ -165,6 +242,23 @@ def test_the_bootstrap_chains_to_the_sitecustomize_it_shadows(tmp_path):
     code = "import builtins, sys; print(getattr(builtins, 'OTHER_SITECUSTOMIZE_RAN', False), 'torch' in sys.modules)"
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert p.stdout.split() == ["True", "False"], p.stderr  # chained; and torch is not imported by the bootstrap
+
+
+def test_mfuwatch_pythonpath_is_appended_after_site_packages_once_torch_is_imported(tmp_path):
+    """mfuwatch installed apart (``pip install --target DIR``, the Kubernetes initContainer) with its own copies
+    of packages the job has too: ``MFUWATCH_PYTHONPATH=DIR`` makes DIR a fallback, so the job's yaml stays its own."""
+    extra = tmp_path / "extra"
+    (extra / "yaml").mkdir(parents=True)
+    (extra / "yaml" / "__init__.py").write_text("SHADOW = True\n")  # an older copy the job must not get
+    (extra / "only_in_extra.py").write_text("")
+    env = attach_env(_env(MFUWATCH_PYTHONPATH=str(extra)))
+    code = ("import importlib.util, sys; before = importlib.util.find_spec('only_in_extra') is not None; "
+            "import torch, yaml, only_in_extra; "
+            "print(before, getattr(yaml, 'SHADOW', False), sys.path[-1] == sys.argv[1])")
+    p = subprocess.run([sys.executable, "-c", code, str(extra)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "False", "True"]
 
 
 def test_the_bootstrap_waits_for_the_real_import_of_torch_not_a_probe():
@@ -266,6 +360,31 @@ def test_failing_attach_leaves_the_job_unchanged_with_one_warning(attacher_facto
     assert a.state == "failed"
     warnings = [r for r in caplog.records if "attaching failed" in r.getMessage()]
     assert len(warnings) == 1 and "broken on purpose" in warnings[0].getMessage()
+    from torch.nn.modules import module as module_mod
+
+    assert not module_mod._has_any_global_hook()
+
+
+def test_a_model_compiled_in_place_is_not_attached_one_warning_and_the_job_unchanged(attacher_factory, tmp_path,
+                                                                                      caplog):
+    """``module.compile()`` runs the module's hooks inside the compiled graph (the agent's FLOP counting with
+    them): the attach gives up with the documented warning, builds no agent, and the losses are the job's own."""
+    from mfuwatch.agent.core import Agent
+
+    torch.manual_seed(0)
+    ref_net = _Net()
+    ref = _train(ref_net, torch.optim.SGD(ref_net.parameters(), lr=0.1), 4)
+    torch.manual_seed(0)
+    net = _Net()
+    net.compile(backend="aot_eager")
+    made = []
+    a = attacher_factory(lambda m, o: made.append(m) or Agent(m, o, **_agent_kwargs(tmp_path / "tl.jsonl")))
+    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
+        got = _train(net, torch.optim.SGD(net.parameters(), lr=0.1), 4)
+    assert a.state == "failed" and made == [] and a.agent is None
+    warnings = [r.getMessage() for r in caplog.records if "attaching failed" in r.getMessage()]
+    assert len(warnings) == 1 and "module.compile()" in warnings[0] and "torch.compile(model)" in warnings[0]
+    assert got == pytest.approx(ref, rel=1e-6)
     from torch.nn.modules import module as module_mod
 
     assert not module_mod._has_any_global_hook()

@@ -6,7 +6,8 @@ heavy:
 
 1. unless ``MFUWATCH_DISABLE`` is set (``1``/``true``/``yes``/``on``), it waits for ``torch`` to
    be imported (a one-shot finder at the head of ``sys.meta_path``; a process that never imports
-   torch never runs anything else of mfuwatch) and then hands over to
+   torch never runs anything else of mfuwatch), appends ``$MFUWATCH_PYTHONPATH`` (where mfuwatch
+   was installed apart from the job's Python) to the end of ``sys.path``, and then hands over to
    :func:`mfuwatch.agent.attach.attacher.install`, which registers torch's global optimizer
    step post-hook (the agent attaches at the first optimizer step);
 2. it imports the ``sitecustomize`` this one shadows (the next one on ``sys.path``, e.g.
@@ -30,7 +31,18 @@ def _warn(what):
         pass
 
 
+def _add_fallback_path():
+    """Append ``$MFUWATCH_PYTHONPATH``'s directories to ``sys.path``, after site-packages: where mfuwatch and its
+    dependencies were installed apart from the job's Python (``pip install --target``, the Kubernetes
+    initContainer). Put on ``PYTHONPATH`` instead they would come first and shadow the job's own versions
+    of the packages they share (pyyaml, requests, rich, ...); appended, the job's own win."""
+    for d in os.environ.get("MFUWATCH_PYTHONPATH", "").split(os.pathsep):
+        if d and d not in sys.path:
+            sys.path.append(d)
+
+
 def _torch_imported():
+    _add_fallback_path()
     try:
         from mfuwatch.agent.attach.attacher import install
     except Exception as exc:  # noqa: BLE001 - e.g. another interpreter that has no mfuwatch

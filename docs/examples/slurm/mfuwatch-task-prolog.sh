@@ -11,9 +11,17 @@ CONFIG=${MFUWATCH_SITE_CONFIG:-/etc/mfuwatch/agent.yaml}  # e.g. file_sd_dir, ti
 
 case "${MFUWATCH_DISABLE:-}" in 1|true|yes|on) exit 0 ;; esac
 [ -x "$MFUWATCH" ] || exit 0
+# `--print-env` prints shell-quoted lines (for eval); Slurm takes the text after '=' literally, so they are
+# evaluated here and printed again unquoted. A bad config: one line on stderr, the job runs unmonitored.
 if [ -r "$CONFIG" ]; then
-  "$MFUWATCH" run --config "$CONFIG" --print-env       # prints: export PYTHONPATH=... MFUWATCH_CONFIG=...
+  lines=$("$MFUWATCH" run --config "$CONFIG" --print-env) || exit 0
 else
-  "$MFUWATCH" run --print-env
+  lines=$("$MFUWATCH" run --print-env) || exit 0
+fi
+eval "$lines"
+echo "export PYTHONPATH=$PYTHONPATH"                   # the bootstrap first, the task's own entries after it
+if [ -n "${MFUWATCH_CONFIG:-}" ]; then
+  echo "export MFUWATCH_CONFIG=$MFUWATCH_CONFIG"
 fi
 echo "export MFUWATCH_JOB=slurm-${SLURM_JOB_ID:-0}"    # one `job` label for every rank of the job
+exit 0                                                 # a TaskProlog's non-zero status would stop the task
