@@ -18,8 +18,9 @@ then on:
    module in place and needs nothing; a ``torch.compile`` wrapper (``OptimizedModule``) is kept as
    it is, since hooks added to the module inside a compiled region are not run by the compiled
    code, while the wrapper's own hooks run eagerly (its ``config`` and modules are the original
-   model's). A module compiled in place (``module.compile()``) runs its hooks, the agent's FLOP
-   counting among them, inside the compiled graph: it is not attached (``attaching failed``). The
+   model's). A module compiled in place (``module.compile()``) runs its own hooks inside the compiled
+   graph: the agent's forward hooks go around its compiled call (``live.hooks``), and the attach
+   forward, already inside the graph, is not the one whose FLOPs are counted. The
    global hooks themselves always run eagerly (``torch.compiler.disable``). An
    :class:`~mfuwatch.agent.core.Agent` is built on that module and optimizer with
    the configuration of ``watch()`` (``$MFUWATCH_CONFIG``, keyword-free), numbered so that its
@@ -172,12 +173,6 @@ class Attacher:
         try:
             if not _holds_any(module, self._ids):
                 return
-            for m in (module, unwrap(module)):
-                if getattr(m, "_compiled_call_impl", None) is not None:
-                    raise RuntimeError(
-                        f"the model ({type(m).__name__}) is compiled in place with module.compile(): its hooks run "
-                        "inside the compiled graph, where the agent cannot count its steps' FLOPs; "
-                        "model = torch.compile(model) can be watched")
             self._attach(module, args)
         except Exception as exc:  # noqa: BLE001
             self.fail(exc)
@@ -199,6 +194,13 @@ class Attacher:
             agent.hooks._pre_forward(called, args, {})
             self._fed = called
             self._fed_tokens = agent.hooks._pending_tokens - before  # counted again with the kwargs, after the forward
+            if getattr(called, "_compiled_call_impl", None) is not None:
+                # compiled in place: this forward already runs inside the compiled call, where a count
+                # misses the backward; the agent's hooks sit around that call from the next forward on,
+                # so the FLOPs are counted over the next step instead
+                counter = agent.hooks.flop_model.counter
+                if counter is not None and counter.active:
+                    counter.abort()
         else:
             self._remove_post_hook()  # the wrapped module's own hooks see its forward
         n_held = sum(1 for p in target.parameters() if id(p) in self._ids)

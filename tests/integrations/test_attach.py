@@ -365,26 +365,31 @@ def test_failing_attach_leaves_the_job_unchanged_with_one_warning(attacher_facto
     assert not module_mod._has_any_global_hook()
 
 
-def test_a_model_compiled_in_place_is_not_attached_one_warning_and_the_job_unchanged(attacher_factory, tmp_path,
-                                                                                      caplog):
-    """``module.compile()`` runs the module's hooks inside the compiled graph (the agent's FLOP counting with
-    them): the attach gives up with the documented warning, builds no agent, and the losses are the job's own."""
+def test_a_model_compiled_in_place_is_attached_with_the_records_of_the_eager_model(attacher_factory, tmp_path):
+    """``module.compile()`` puts the module's hooks inside the compiled graph; the agent's forward hooks go
+    around the compiled call instead (agent/live/hooks.py ``_CompiledInPlace``), so the attached job's step,
+    token and FLOP records are those of the same job run eagerly, and its losses are its own."""
     from mfuwatch.agent.core import Agent
 
     torch.manual_seed(0)
     ref_net = _Net()
-    ref = _train(ref_net, torch.optim.SGD(ref_net.parameters(), lr=0.1), 4)
+    a_ref = attacher_factory(lambda m, o: Agent(m, o, **_agent_kwargs(tmp_path / "eager.jsonl")))
+    ref = _train(ref_net, torch.optim.SGD(ref_net.parameters(), lr=0.1), 5)
+    a_ref.agent.close()
+    a_ref.disarm()
     torch.manual_seed(0)
     net = _Net()
     net.compile(backend="aot_eager")
-    made = []
-    a = attacher_factory(lambda m, o: made.append(m) or Agent(m, o, **_agent_kwargs(tmp_path / "tl.jsonl")))
-    with caplog.at_level(logging.WARNING, logger="mfuwatch"):
-        got = _train(net, torch.optim.SGD(net.parameters(), lr=0.1), 4)
-    assert a.state == "failed" and made == [] and a.agent is None
-    warnings = [r.getMessage() for r in caplog.records if "attaching failed" in r.getMessage()]
-    assert len(warnings) == 1 and "module.compile()" in warnings[0] and "torch.compile(model)" in warnings[0]
+    a = attacher_factory(lambda m, o: Agent(m, o, **_agent_kwargs(tmp_path / "tl.jsonl")))
+    got = _train(net, torch.optim.SGD(net.parameters(), lr=0.1), 5)
+    assert a.state == "attached" and a.model is net
+    a.agent.close()
     assert got == pytest.approx(ref, rel=1e-6)
+    steps, eager = _steps(tmp_path / "tl.jsonl"), _steps(tmp_path / "eager.jsonl")
+    assert [s["step"] for s in steps] == [2, 3, 4, 5]
+    # the first attached step may hold the compile (warm-up); from the next on, every record equals eager's
+    assert [{k: v for k, v in s.items() if "second" not in k and k != "mfu"} for s in steps[1:]] == [
+        {k: v for k, v in s.items() if "second" not in k and k != "mfu"} for s in eager[1:]]
     from torch.nn.modules import module as module_mod
 
     assert not module_mod._has_any_global_hook()
