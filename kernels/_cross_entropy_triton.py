@@ -362,12 +362,16 @@ def _ce_team_l2_kernel(
     X, T, LOSS, LSE, DX, SCALE, PM, PS, PZ, CNT,  # as _ce_team_kernel
     rows, nteams, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, max_spin,
     S: tl.constexpr, SP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, SEG: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr, FLAGS: tl.constexpr = False,
 ):
     # As _ce_team_kernel (teams of S co-resident programs per row, partials combined through global memory), but
     # program (team, seg) streams its SEG columns twice in BLOCK-wide blocks instead of holding them in
     # registers: the second read comes from L2, since only nteams rows (nteams * V * bytes, a few MB) are in
     # flight between a segment's two reads. Few registers, so many programs per SM hide the wait of each.
+    # FLAGS: instead of a counter, each segment publishes (max, sum) as one 64-bit store into PM (int64 zeros,
+    # viewed as such) and (sum z, 1) into PZ; waiting polls the row's S words until none is 0 (a sum of exps is
+    # >= 1: its low half is never 0 once written). One store and one load round trip instead of a fence, an
+    # atomic and a load. CNT and PS unused then.
     pid = tl.program_id(0)
     team = pid // S
     seg = pid % S
@@ -395,23 +399,52 @@ def _ce_team_l2_kernel(
             nm = tl.maximum(mx, tl.max(x, 0))
             ssum = ssum * tl.exp(mx - nm) + tl.sum(tl.exp(x - nm), 0)
             mx = nm
-        tl.store(PM + row * S + seg, mx)
-        tl.store(PS + row * S + seg, ssum)
-        if SMOOTH:
-            tl.store(PZ + row * S + seg, zs)
-        tl.debug_barrier()
-        n = tl.atomic_add(CNT + row, 1, sem="release") + 1
-        spins = 0
-        while (n < S) & (spins < patience):
-            n = tl.atomic_add(CNT + row, 0, sem="acquire")
-            spins += 1
-        if n >= S:
+        if FLAGS:
+            W = PM.to(tl.pointer_type(tl.int64))
+            WZ = PZ.to(tl.pointer_type(tl.int64))
+            LO: tl.constexpr = 0xFFFFFFFF
+            tl.store(W + row * S + seg, (mx.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                     | (ssum.to(tl.int32, bitcast=True).to(tl.int64) & LO))
+            if SMOOTH:
+                tl.store(WZ + row * S + seg, (zs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | 1)
+            wv = tl.load(W + row * S + offs, mask=om, other=1, volatile=True)
+            missing = tl.sum(tl.where((wv & LO) == 0, 1, 0), 0)
+            if SMOOTH:
+                wz = tl.load(WZ + row * S + offs, mask=om, other=1, volatile=True)
+                missing += tl.sum(tl.where(wz == 0, 1, 0), 0)
+            spins = 0
+            while (missing > 0) & (spins < patience):
+                wv = tl.load(W + row * S + offs, mask=om, other=1, volatile=True)
+                missing = tl.sum(tl.where((wv & LO) == 0, 1, 0), 0)
+                if SMOOTH:
+                    wz = tl.load(WZ + row * S + offs, mask=om, other=1, volatile=True)
+                    missing += tl.sum(tl.where(wz == 0, 1, 0), 0)
+                spins += 1
+            n = tl.where(missing == 0, S, 0)
+            pm = tl.where(om, (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True), -float("inf"))
+            ps = tl.where(om, (wv & LO).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+            if SMOOTH:
+                pz = tl.where(om, (wz >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        else:
+            tl.store(PM + row * S + seg, mx)
+            tl.store(PS + row * S + seg, ssum)
+            if SMOOTH:
+                tl.store(PZ + row * S + seg, zs)
+            tl.debug_barrier()
+            n = tl.atomic_add(CNT + row, 1, sem="release") + 1
+            spins = 0
+            while (n < S) & (spins < patience):
+                n = tl.atomic_add(CNT + row, 0, sem="acquire")
+                spins += 1
             pm = tl.load(PM + row * S + offs, mask=om, other=-float("inf"), volatile=True)
             ps = tl.load(PS + row * S + offs, mask=om, other=0.0, volatile=True)
+            if SMOOTH:
+                pz = tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True)
+        if n >= S:
             gm = tl.max(pm, 0)
             lse = gm + tl.log(tl.sum(ps * tl.exp(pm - gm), 0))
             if SMOOTH:
-                zsum = tl.sum(tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True), 0)
+                zsum = tl.sum(pz, 0)
             else:
                 zsum = 0.0
         else:  # gave up waiting: the whole row from memory, and no more waits
@@ -523,7 +556,8 @@ MAX_SPIN = 1 << 16
 WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
                          (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
                          (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
-                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1))
+                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1),
+                         (4096, 4, "team", 4, 1), (2048, 4, "team2", 8, 83), (2048, 4, "team2", 8, 1083))
 
 
 def _candidates(V: int, write: bool = False, split: bool = False):
@@ -660,18 +694,21 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
     def launch(c):
         block, warps, kind, pps, stages = c
         cap = float(softcap) if softcap > 0 else 1.0
-        if kind == "team2":  # stages: blocks per segment * 10 + pipeline depth
-            nblk, st = divmod(stages, 10)
+        if kind == "team2":  # stages: 1000 for the flag words + blocks per segment * 10 + pipeline depth
+            flags, rest = divmod(stages, 1000)
+            nblk, st = divmod(rest, 10)
             S = cdiv(V, block * nblk)
             progs, maxnreg = team_grid(S, warps, pps, x.device)
             nteams = min(rows, progs // S)
-            part = torch.empty((3, rows * S), dtype=torch.float32, device=x.device)
+            part = (torch.zeros((3, rows * S), dtype=torch.int64, device=x.device) if flags else
+                    torch.empty((3, rows * S), dtype=torch.float32, device=x.device))
             cnt = torch.zeros(rows, dtype=torch.int32, device=x.device)
             _FWD_TEAM_L2(nteams * S, (x2, t, loss, lse, d2, scale, part[0], part[1], part[2], cnt, rows, nteams, sx,
                                       sd, V, ignore_index, float(smoothing), float(z_loss), cap,
                                       0 if INTERPRET else MAX_SPIN),
                          {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing > 0,
-                          "SEG": block * nblk, "BLOCK": block, "STAGES": max(1, st)}, warps, maxnreg)
+                          "SEG": block * nblk, "BLOCK": block, "STAGES": max(1, st), "FLAGS": bool(flags)}, warps,
+                         maxnreg)
             return
         if kind == "team":
             S = cdiv(V, block)

@@ -316,8 +316,9 @@ def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
 @pytest.mark.parametrize("opts", OPTIONS, ids=["plain", "softcap+smooth+z", "smooth1", "softcap0.5"])
 @pytest.mark.parametrize("setting", [(16, 1, "team", 1, 1), (16, 2, "team", 2, 3), (64, 1, "team", 1, 0),
                                      (32, 1, "team", 8, 2), (8, 1, "team2", 1, 21), (16, 2, "team2", 2, 12),
-                                     (16, 1, "team2", 1, 41)],
-                         ids=["S4", "S4-prefetch", "S1", "S2-prefetch", "L2-S4", "L2-S2", "L2-S1"])
+                                     (16, 1, "team2", 1, 41), (8, 1, "team2", 1, 1021), (16, 2, "team2", 2, 1041)],
+                         ids=["S4", "S4-prefetch", "S1", "S2-prefetch", "L2-S4", "L2-S2", "L2-S1", "L2-S4-flags",
+                              "L2-S1-flags"])
 def test_team_kernel_matches_float64(dtype, opts, setting, gen):
     """The persistent team kernels ("team2": each program streams its segment twice, BLOCK-wide) (S = ceil(V / BLOCK) programs per row, each holding its columns in registers;
     V = 50, so the last segment is partial; 9 rows over fewer teams, so each program walks several rows) writes
