@@ -25,7 +25,13 @@ from HBM. The gradient pass walks the row backwards (its first blocks are the on
 the likeliest still in L2) and both passes pipeline their loads: 1.575 ms at 8192 x 128256 bf16, 5.6 bytes
 per logit at copy bandwidth (``docs/gpu-runs/cross_entropy-run3.md``; 1.835 ms in the forward order
 unpipelined). Persistent grids with eviction hints (fewer rows in flight) and the split kernel (each row
-read once) were measured slower; they stay as options. The unfused backward reads the saved ``lse``.
+read once) were measured slower; they stay as options. So do the persistent team kernels (``_ce_team_kernel``:
+a row's segments held in registers by S co-resident programs; ``_ce_team_l2_kernel``: each segment streamed twice,
+the second read from L2), which read each logit from HBM once (3.95-4.12 bytes per logit under ncu) but wait
+~3 us per row step for the other segments' partials: 1.73-1.95 ms (``docs/gpu-runs/cross_entropy-run6.md`` to
+``-run8.md``). With a softcap the register team computes tanh and sech^2 once per element (three MUFU
+operations instead of six): 2.79 ms against 2.89, so it is a tuner candidate. The unfused backward reads the
+saved ``lse``.
 Offsets are int64 (``row * stride`` past 2^31 elements). No host-device sync anywhere: the mean's
 ``1 / count`` and the upstream gradient are read from device memory by the kernels.
 """
@@ -553,11 +559,16 @@ MAX_SPIN = 1 << 16
 #: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
 #: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
 #: The per-lane log-sum-exp (kinds "lane", "laneh") was 1.88-2.95 ms in every setting (cross_entropy-run5.md): none tried.
+#: Kinds "team" and "team2" (persistent teams of co-resident programs per row, each logit read from HBM once:
+#: _ce_team_kernel, _ce_team_l2_kernel; for these the last field is their flags, see the kernels and
+#: benchmarks/cross_entropy_team.py), cross_entropy-run6.md to -run8.md: without a softcap 1.73-3.1 ms against
+#: 1.56-1.65 for "rev" (3.95-4.12 B/logit from DRAM for "team2", 5.8 for "rev", but latency-bound by the per-row
+#: exchange); with softcap 30 the register team (4096, 4, "team", 4, 1) computes tanh once per element: 2.79 ms
+#: against 2.89 for the best one-program-per-row setting, so it is the one team candidate.
 WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
                          (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
                          (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
-                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1),
-                         (4096, 4, "team", 4, 1), (2048, 4, "team2", 8, 83), (2048, 4, "team2", 8, 1083))
+                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1), (4096, 4, "team", 4, 1))
 
 
 def _candidates(V: int, write: bool = False, split: bool = False):
@@ -592,7 +603,9 @@ def team_grid(S: int, warps: int, pps: int, device: torch.device) -> Tuple[int, 
     """(programs, maxnreg) of a team launch: ``pps`` programs of ``warps`` warps per SM, registers capped so that
     they fit together in the SM's 65536 32-bit registers (the H100/H200 register file, NVIDIA's Hopper tuning
     guide; allocated per warp in units of 256, so per thread a multiple of 8) and threads within the 2048 an SM
-    holds. A grid of at most that many programs is resident at once on an otherwise idle GPU, so the S programs
+    holds. Shared memory is not capped here: the team kernels use at most 16.4 KB per program (pipelined loads;
+    Triton's report in docs/gpu-runs/cross_entropy-run7.md), within the H200's 228 KB per SM for up to 13 programs
+    per SM. A grid of at most that many programs is resident at once on an otherwise idle GPU, so the S programs
     of a team run together (the kernel stays correct, only slower, if they do not: see _ce_team_kernel)."""
     threads = pps * warps * 32
     if threads > 2048:
