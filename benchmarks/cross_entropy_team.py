@@ -26,7 +26,8 @@ import torch
 import mfuwatch.kernels._cross_entropy_triton as K
 
 P = argparse.ArgumentParser()
-P.add_argument("--ncu", default=None, help="settings 'BLOCK,warps,kind,pps,flags' separated by ';' (a leading c: softcap 30), one launch each at --rows rows")
+P.add_argument("--ncu", default=None, help="settings 'BLOCK,warps,kind,pps,flags' separated by ';' (a leading c: "
+               "softcap 30), one launch each at --rows rows")
 P.add_argument("--rows", type=int, default=8192)
 ARGS = P.parse_args()
 
@@ -146,7 +147,8 @@ def providers(x, t, best):
             K.WRITE_SETTINGS = (best[k[1]],) + tuple(s for s in saved if s != best[k[1]])
             C._TUNED.clear()
             try:
-                res[k].append(triton.testing.do_bench(f, warmup=25, rep=150, grad_to_none=[xg, xl], return_mode="median"))
+                res[k].append(triton.testing.do_bench(f, warmup=25, rep=150, grad_to_none=[xg, xl],
+                                                      return_mode="median"))
             except Exception as e:
                 res[k].append(float("nan"))
                 print("failed", k, repr(e)[:300])

@@ -730,7 +730,8 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
             part = torch.empty((3, rows * S), dtype=torch.float32, device=x.device)
             cnt = torch.zeros(rows, dtype=torch.int32, device=x.device)
             _FWD_TEAM(nteams * S, (x2, t, loss, lse, d2, scale, part[0], part[1], part[2], cnt, rows, nteams, sx, sd,
-                                   V, ignore_index, float(smoothing), float(z_loss), cap, -2.0 * math.log2(math.e) / cap,
+                                   V, ignore_index, float(smoothing), float(z_loss), cap,
+                                   -2.0 * math.log2(math.e) / cap,
                                    0 if INTERPRET else MAX_SPIN),
                       {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing > 0,
                        "KEEP_EXP": bool(stages & 1), "PREFETCH": bool(stages & 2), "BLOCK": block}, warps, maxnreg)

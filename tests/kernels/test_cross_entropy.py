@@ -320,8 +320,9 @@ def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
                          ids=["S4", "S4-prefetch", "S1", "S2-prefetch", "L2-S4", "L2-S2", "L2-S1", "L2-S4-flags",
                               "L2-S1-flags"])
 def test_team_kernel_matches_float64(dtype, opts, setting, gen):
-    """The persistent team kernels ("team2": each program streams its segment twice, BLOCK-wide) (S = ceil(V / BLOCK) programs per row, each holding its columns in registers;
-    V = 50, so the last segment is partial; 9 rows over fewer teams, so each program walks several rows) writes
+    """The persistent team kernels, S programs per row ("team": S = ceil(V / BLOCK), each holding its columns in
+    registers; "team2": S = ceil(V / (BLOCK * blocks per segment)), each streaming its segment twice; "flags": the
+    64-bit flag-word exchange instead of the counter; V = 50, so the last segment is partial; 9 rows over fewer teams, so each program walks several rows) writes
     the loss, the lse and the gradient of the float64 reference, on logits with a row stride > V. Under the
     interpreter its programs run one after another: all but a row's last program give up waiting and read the
     row themselves, the last combines the published partials, so both paths are checked."""
@@ -344,3 +345,17 @@ def test_team_kernel_matches_float64(dtype, opts, setting, gen):
     assert_close(lse.cpu(), torch.logsumexp(z, -1), torch.float32, "lse")
     assert not torch.isnan(dxd).any()
     assert_close(dxd.cpu().float(), x64.grad, dtype, "dlogits")
+
+
+def test_team_grid_caps_registers_so_the_programs_fit_together():
+    """team_grid: pps programs of w warps per SM, a whole number of teams; 2 x 8 warps = 512 threads, so 65536 /
+    512 = 128 registers per thread on a GPU (None under the interpreter, which has no registers); more than the
+    2048 threads an SM holds is refused."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    cpu = torch.device("cpu")  # sm_count: 4 for the CPU
+    progs, maxnreg = K.team_grid(3, 8, 2, cpu)
+    assert progs == 6  # 2 * 4 = 8 programs, rounded down to whole teams of 3
+    assert maxnreg == (None if K.INTERPRET else 128)
+    assert K.team_grid(16, 4, 2, cpu)[0] == 16  # fewer programs than one team: one team (correct, not co-resident)
+    with pytest.raises(ValueError, match="2048 threads"):
+        K.team_grid(4, 32, 3, cpu)
