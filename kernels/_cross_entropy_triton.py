@@ -25,13 +25,20 @@ from HBM. The gradient pass walks the row backwards (its first blocks are the on
 the likeliest still in L2) and both passes pipeline their loads: 1.575 ms at 8192 x 128256 bf16, 5.6 bytes
 per logit at copy bandwidth (``docs/gpu-runs/cross_entropy-run3.md``; 1.835 ms in the forward order
 unpipelined). Persistent grids with eviction hints (fewer rows in flight) and the split kernel (each row
-read once) were measured slower; they stay as options. The unfused backward reads the saved ``lse``.
+read once) were measured slower; they stay as options. So do the persistent team kernels (``_ce_team_kernel``:
+a row's segments held in registers by S co-resident programs; ``_ce_team_l2_kernel``: each segment streamed twice,
+the second read from L2), which read each logit from HBM once (3.95-4.12 bytes per logit under ncu) but wait
+~3 us per row step for the other segments' partials: 1.73-1.95 ms (``docs/gpu-runs/cross_entropy-run6.md`` to
+``-run8.md``). With a softcap the register team computes tanh and sech^2 once per element (three MUFU
+operations instead of six): 2.79 ms against 2.89, so it is a tuner candidate. The unfused backward reads the
+saved ``lse``.
 Offsets are int64 (``row * stride`` past 2^31 elements). No host-device sync anywhere: the mean's
 ``1 / count`` and the upstream gradient are read from device memory by the kernels.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -241,6 +248,261 @@ def _ce_fwd_split_kernel(
 
 
 @triton.jit
+def _ce_team_kernel(
+    X, T, LOSS, LSE, DX, SCALE, PM, PS, PZ, CNT,  # X, T, LOSS, LSE, DX, SCALE as _ce_fwd_kernel (DX must not
+    # alias X); PM, PS, PZ: (rows * S,) fp32 per-segment max, sum of exp(z - max), sum of z; CNT: (rows,) int32
+    # zeros, the segments of the row published so far
+    rows, nteams, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, neg2log2e_c, max_spin,
+    S: tl.constexpr, SP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, KEEP_EXP: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # A persistent grid of nteams teams of S programs; program (team, seg) holds columns [seg*BLOCK, (seg+1)*BLOCK)
+    # of rows team, team + nteams, ... in registers, so each logit is read from memory once. Per row: publish the
+    # segment's (max, sum exp, sum z), count it with a release atomic, wait (acquire) for the row's S segments,
+    # combine them into the row's lse and write the gradient from the registers. The launcher sizes the grid to
+    # the programs that fit on the GPU at once (registers capped with maxnreg), so the S programs of a team are
+    # co-resident. Should a wait still outlast max_spin polls (other work holding SMs, or the interpreter, whose
+    # programs run one after another), the program reads the whole row from memory itself and stops waiting from
+    # then on: slower, never wrong, never a hang.
+    LOG2E: tl.constexpr = 1.4426950408889634
+    pid = tl.program_id(0)
+    team = pid // S
+    seg = pid % S
+    cols = seg * BLOCK + tl.arange(0, BLOCK)
+    m = cols < V
+    offs = tl.arange(0, SP)
+    om = offs < S
+    coef0 = tl.load(SCALE).to(tl.float32)
+    patience = max_spin
+    r0 = tl.full((), 0, tl.int64) + team
+    xb = tl.load(X + r0 * stride_x + cols, mask=cols < tl.where(r0 < rows, V, 0), other=0.0)
+    for r in range(team, rows, nteams):
+        row = tl.full((), 0, tl.int64) + r
+        cur = xb
+        x = cur.to(tl.float32)
+        if HAS_SOFTCAP:  # tanh and sech^2 from one exp2 and one fast reciprocal (see _tanh_sech2)
+            e = tl.exp2(tl.abs(x) * neg2log2e_c)
+            rc = tl.fdiv(tl.full(e.shape, 1.0, tl.float32), 1.0 + e)
+            er = e * rc
+            th = rc - er
+            z = tl.where(x < 0, -softcap, softcap) * th
+            s2 = er * rc  # sech^2 / 4
+        else:
+            z = x
+        zm = tl.where(m, z, -float("inf"))
+        mloc = tl.max(zm, 0)
+        el = tl.exp2((zm - mloc) * LOG2E)
+        tl.store(PM + row * S + seg, mloc)
+        tl.store(PS + row * S + seg, tl.sum(el, 0))
+        if SMOOTH:
+            tl.store(PZ + row * S + seg, tl.sum(tl.where(m, z, 0.0), 0))
+        tl.debug_barrier()
+        n = tl.atomic_add(CNT + row, 1, sem="release") + 1
+        nr = row + nteams
+        if PREFETCH:  # the next row's segment, in flight while this row's segments are waited for
+            xb = tl.load(X + nr * stride_x + cols, mask=cols < tl.where(nr < rows, V, 0), other=0.0)
+        spins = 0
+        while (n < S) & (spins < patience):
+            n = tl.atomic_add(CNT + row, 0, sem="acquire")
+            spins += 1
+        if n >= S:
+            pm = tl.load(PM + row * S + offs, mask=om, other=-float("inf"), volatile=True)
+            ps = tl.load(PS + row * S + offs, mask=om, other=0.0, volatile=True)
+            gm = tl.max(pm, 0)
+            lse = gm + tl.log(tl.sum(ps * tl.exp(pm - gm), 0))
+            if SMOOTH:
+                zsum = tl.sum(tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True), 0)
+            else:
+                zsum = 0.0
+        else:  # gave up waiting: the whole row from memory, and no more waits
+            patience = 0
+            gm = -float("inf")
+            ss = 0.0
+            zsum = 0.0
+            for j in range(0, S):
+                cj = j * BLOCK + tl.arange(0, BLOCK)
+                mj = cj < V
+                xj = tl.load(X + row * stride_x + cj, mask=mj, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    xj = softcap * _tanh(xj * (1.0 / softcap))
+                zsum += tl.sum(tl.where(mj, xj, 0.0), 0)
+                xj = tl.where(mj, xj, -float("inf"))
+                nm = tl.maximum(gm, tl.max(xj, 0))
+                ss = ss * tl.exp(gm - nm) + tl.sum(tl.exp(xj - nm), 0)
+                gm = nm
+            lse = gm + tl.log(ss)
+        t = tl.load(T + row).to(tl.int64)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < V)
+        t_safe = tl.where(valid, t, 0)
+        if seg == 0:  # one program per row writes the row's loss and lse
+            zt = tl.load(X + row * stride_x + t_safe).to(tl.float32)
+            if HAS_SOFTCAP:
+                zt = softcap * _tanh(zt * (1.0 / softcap))
+            loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+            loss = tl.where(valid, loss, float("nan"))
+            loss = tl.where(ignored, 0.0, loss)
+            tl.store(LOSS + row, loss)
+            tl.store(LSE + row, lse)
+        coef = tl.where(valid, coef0, float("nan"))
+        coef = tl.where(ignored, 0.0, coef)
+        if HAS_SOFTCAP:
+            coef = coef * 4.0
+        a = (1.0 + 2.0 * z_loss * lse) * coef
+        if KEEP_EXP or HAS_SOFTCAP:
+            g = el * (tl.exp(mloc - lse) * a)
+        else:
+            g = tl.exp2((z - lse) * LOG2E) * a
+        g = g - tl.where(cols == t, (1.0 - smoothing) * coef, 0.0)
+        if SMOOTH:
+            g = g - smoothing / V * coef
+        if HAS_SOFTCAP:
+            g = g * s2
+        tl.store(DX + row * stride_dx + cols, g.to(DX.dtype.element_ty), mask=m)
+        if not PREFETCH:
+            xb = tl.load(X + nr * stride_x + cols, mask=cols < tl.where(nr < rows, V, 0), other=0.0)
+
+
+@triton.jit
+def _ce_team_l2_kernel(
+    X, T, LOSS, LSE, DX, SCALE, PM, PS, PZ, CNT,  # as _ce_team_kernel
+    rows, nteams, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, max_spin,
+    S: tl.constexpr, SP: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, SEG: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr, FLAGS: tl.constexpr = False,
+):
+    # As _ce_team_kernel (teams of S co-resident programs per row, partials combined through global memory), but
+    # program (team, seg) streams its SEG columns twice in BLOCK-wide blocks instead of holding them in
+    # registers: the second read comes from L2, since only nteams rows (nteams * V * bytes, a few MB) are in
+    # flight between a segment's two reads. Few registers, so many programs per SM hide the wait of each.
+    # FLAGS: instead of a counter, each segment publishes (max, sum) as one 64-bit store into PM (int64 zeros,
+    # viewed as such) and (sum z, 1) into PZ; waiting polls the row's S words until none is 0 (a sum of exps is
+    # >= 1: its low half is never 0 once written). One store and one load round trip instead of a fence, an
+    # atomic and a load. CNT and PS unused then.
+    pid = tl.program_id(0)
+    team = pid // S
+    seg = pid % S
+    offs = tl.arange(0, SP)
+    om = offs < S
+    coef0 = tl.load(SCALE).to(tl.float32)
+    patience = max_spin
+    c0 = seg * SEG
+    NB: tl.constexpr = SEG // BLOCK
+    for r in range(team, rows, nteams):
+        row = tl.full((), 0, tl.int64) + r
+        x_row = X + row * stride_x
+        mx = -float("inf")
+        ssum = 0.0
+        zs = 0.0
+        for i in tl.range(0, NB, num_stages=STAGES):
+            cols = c0 + i * BLOCK + tl.arange(0, BLOCK)
+            m = cols < V
+            x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if HAS_SOFTCAP:
+                x = softcap * _tanh(x * (1.0 / softcap))
+            if SMOOTH:
+                zs += tl.sum(tl.where(m, x, 0.0), 0)
+            x = tl.where(m, x, -float("inf"))
+            nm = tl.maximum(mx, tl.max(x, 0))
+            ssum = ssum * tl.exp(mx - nm) + tl.sum(tl.exp(x - nm), 0)
+            mx = nm
+        if FLAGS:
+            W = PM.to(tl.pointer_type(tl.int64))
+            WZ = PZ.to(tl.pointer_type(tl.int64))
+            LO: tl.constexpr = 0xFFFFFFFF
+            tl.store(W + row * S + seg, (mx.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                     | (ssum.to(tl.int32, bitcast=True).to(tl.int64) & LO))
+            if SMOOTH:
+                tl.store(WZ + row * S + seg, (zs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | 1)
+            wv = tl.load(W + row * S + offs, mask=om, other=1, volatile=True)
+            missing = tl.sum(tl.where((wv & LO) == 0, 1, 0), 0)
+            if SMOOTH:
+                wz = tl.load(WZ + row * S + offs, mask=om, other=1, volatile=True)
+                missing += tl.sum(tl.where(wz == 0, 1, 0), 0)
+            spins = 0
+            while (missing > 0) & (spins < patience):
+                wv = tl.load(W + row * S + offs, mask=om, other=1, volatile=True)
+                missing = tl.sum(tl.where((wv & LO) == 0, 1, 0), 0)
+                if SMOOTH:
+                    wz = tl.load(WZ + row * S + offs, mask=om, other=1, volatile=True)
+                    missing += tl.sum(tl.where(wz == 0, 1, 0), 0)
+                spins += 1
+            n = tl.where(missing == 0, S, 0)
+            pm = tl.where(om, (wv >> 32).to(tl.int32).to(tl.float32, bitcast=True), -float("inf"))
+            ps = tl.where(om, (wv & LO).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+            if SMOOTH:
+                pz = tl.where(om, (wz >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        else:
+            tl.store(PM + row * S + seg, mx)
+            tl.store(PS + row * S + seg, ssum)
+            if SMOOTH:
+                tl.store(PZ + row * S + seg, zs)
+            tl.debug_barrier()
+            n = tl.atomic_add(CNT + row, 1, sem="release") + 1
+            spins = 0
+            while (n < S) & (spins < patience):
+                n = tl.atomic_add(CNT + row, 0, sem="acquire")
+                spins += 1
+            pm = tl.load(PM + row * S + offs, mask=om, other=-float("inf"), volatile=True)
+            ps = tl.load(PS + row * S + offs, mask=om, other=0.0, volatile=True)
+            if SMOOTH:
+                pz = tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True)
+        if n >= S:
+            gm = tl.max(pm, 0)
+            lse = gm + tl.log(tl.sum(ps * tl.exp(pm - gm), 0))
+            if SMOOTH:
+                zsum = tl.sum(pz, 0)
+            else:
+                zsum = 0.0
+        else:  # gave up waiting: the whole row from memory, and no more waits
+            patience = 0
+            gm = -float("inf")
+            ss = 0.0
+            zsum = 0.0
+            for j in range(0, tl.cdiv(V, BLOCK)):
+                cj = j * BLOCK + tl.arange(0, BLOCK)
+                mj = cj < V
+                xj = tl.load(x_row + cj, mask=mj, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    xj = softcap * _tanh(xj * (1.0 / softcap))
+                zsum += tl.sum(tl.where(mj, xj, 0.0), 0)
+                xj = tl.where(mj, xj, -float("inf"))
+                nm = tl.maximum(gm, tl.max(xj, 0))
+                ss = ss * tl.exp(gm - nm) + tl.sum(tl.exp(xj - nm), 0)
+                gm = nm
+            lse = gm + tl.log(ss)
+        t = tl.load(T + row).to(tl.int64)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < V)
+        t_safe = tl.where(valid, t, 0)
+        if seg == 0:  # one program per row writes the row's loss and lse
+            zt = tl.load(x_row + t_safe).to(tl.float32)
+            if HAS_SOFTCAP:
+                zt = softcap * _tanh(zt * (1.0 / softcap))
+            loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+            loss = tl.where(valid, loss, float("nan"))
+            loss = tl.where(ignored, 0.0, loss)
+            tl.store(LOSS + row, loss)
+            tl.store(LSE + row, lse)
+        coef = tl.where(valid, coef0, float("nan"))
+        coef = tl.where(ignored, 0.0, coef)
+        grow = 1.0 + 2.0 * z_loss * lse
+        dx_row = DX + row * stride_dx
+        for i in tl.range(0, NB, num_stages=STAGES):
+            cols = c0 + (NB - 1 - i) * BLOCK + tl.arange(0, BLOCK)  # the blocks read last first
+            m = cols < V
+            x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if HAS_SOFTCAP:
+                th, dzdx = _tanh_sech2(x * (1.0 / softcap))
+                z = softcap * th
+            else:
+                z = x
+            g = tl.exp(z - lse) * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+            if HAS_SOFTCAP:
+                g = g * dzdx
+            tl.store(dx_row + cols, (g * coef).to(DX.dtype.element_ty), mask=m, eviction_policy="evict_first")
+
+
+@triton.jit
 def _ce_bwd_kernel(
     X, T, LSE, G, DX,  # X: (rows, V) row stride stride_x; T, LSE: (rows,); G: per-row upstream gradient
     # (fp32, stride stride_g; 0 for a broadcast scalar); DX: (rows, V) row stride stride_dx
@@ -271,6 +533,8 @@ def _scale_kernel(DX, G, n, BLOCK: tl.constexpr):  # DX: (n,) contiguous, scaled
 
 _FWD = Launcher(_ce_fwd_kernel)
 _FWD_SPLIT = Launcher(_ce_fwd_split_kernel)
+_FWD_TEAM = Launcher(_ce_team_kernel)
+_FWD_TEAM_L2 = Launcher(_ce_team_l2_kernel)
 _BWD = Launcher(_ce_bwd_kernel)
 _SCALE = Launcher(_scale_kernel)
 
@@ -295,10 +559,16 @@ MAX_SPIN = 1 << 16
 #: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
 #: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
 #: The per-lane log-sum-exp (kinds "lane", "laneh") was 1.88-2.95 ms in every setting (cross_entropy-run5.md): none tried.
+#: Kinds "team" and "team2" (persistent teams of co-resident programs per row, each logit read from HBM once:
+#: _ce_team_kernel, _ce_team_l2_kernel; for these the last field is their flags, see the kernels and
+#: benchmarks/cross_entropy_team.py), cross_entropy-run6.md to -run8.md: without a softcap 1.73-3.1 ms against
+#: 1.56-1.65 for "rev" (3.95-4.12 B/logit from DRAM for "team2", 5.8 for "rev", but latency-bound by the per-row
+#: exchange); with softcap 30 the register team (4096, 4, "team", 4, 1) computes tanh once per element: 2.79 ms
+#: against 2.89 for the best one-program-per-row setting, so it is the one team candidate.
 WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
                          (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
                          (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
-                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1))
+                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1), (4096, 4, "team", 4, 1))
 
 
 def _candidates(V: int, write: bool = False, split: bool = False):
@@ -327,6 +597,21 @@ def _candidates(V: int, write: bool = False, split: bool = False):
         if c not in out:
             out.append(c)
     return out
+
+
+def team_grid(S: int, warps: int, pps: int, device: torch.device) -> Tuple[int, Optional[int]]:
+    """(programs, maxnreg) of a team launch: ``pps`` programs of ``warps`` warps per SM, registers capped so that
+    they fit together in the SM's 65536 32-bit registers (the H100/H200 register file, NVIDIA's Hopper tuning
+    guide; allocated per warp in units of 256, so per thread a multiple of 8) and threads within the 2048 an SM
+    holds. Shared memory is not capped here: the team kernels use at most 16.4 KB per program (pipelined loads;
+    Triton's report in docs/gpu-runs/cross_entropy-run7.md), within the H200's 228 KB per SM for up to 13 programs
+    per SM. A grid of at most that many programs is resident at once on an otherwise idle GPU, so the S programs
+    of a team run together (the kernel stays correct, only slower, if they do not: see _ce_team_kernel)."""
+    threads = pps * warps * 32
+    if threads > 2048:
+        raise ValueError(f"{pps} programs of {warps} warps exceed an SM's 2048 threads")
+    maxnreg = min(255, (65536 // threads) // 8 * 8)
+    return max(S, (pps * sm_count(device)) // S * S), (None if INTERPRET else maxnreg)
 
 
 def split_ok(x: torch.Tensor) -> bool:
@@ -387,14 +672,15 @@ def _torch_grad(z: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: tor
 # ---------------------------------------------------------------- launchers
 
 def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float, z_loss: float,
-           softcap: float, grad_scale: Optional[torch.Tensor] = None, dx: Optional[torch.Tensor] = None
-           ) -> Tuple[torch.Tensor, torch.Tensor]:
+           softcap: float, grad_scale: Optional[torch.Tensor] = None, dx: Optional[torch.Tensor] = None,
+           setting: Optional[tuple] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss and lse (both fp32, (rows,)) of logits ``x`` (rows, V); ``softcap`` 0 means none.
 
     With ``grad_scale`` (a (1,) or 0-d fp32 device tensor) the same launch also writes
     ``grad_scale * dloss_row/dx`` into ``dx`` ((rows, V), contiguous; it may be ``x`` itself when ``x``
     is contiguous and private to the caller). ``x`` may have any row stride (unit column stride, else
-    it is copied).
+    it is copied). ``setting``: a launch setting (see :data:`WRITE_SETTINGS`) instead of the tuned one (tests and
+    benchmarks; a "team" setting only with a ``dx`` that is not ``x``).
     """
     check_inputs(x, target)
     rows, V = x.shape
@@ -421,6 +707,35 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
     def launch(c):
         block, warps, kind, pps, stages = c
         cap = float(softcap) if softcap > 0 else 1.0
+        if kind == "team2":  # stages: 1000 for the flag words + blocks per segment * 10 + pipeline depth
+            flags, rest = divmod(stages, 1000)
+            nblk, st = divmod(rest, 10)
+            S = cdiv(V, block * nblk)
+            progs, maxnreg = team_grid(S, warps, pps, x.device)
+            nteams = min(rows, progs // S)
+            part = (torch.zeros((3, rows * S), dtype=torch.int64, device=x.device) if flags else
+                    torch.empty((3, rows * S), dtype=torch.float32, device=x.device))
+            cnt = torch.zeros(rows, dtype=torch.int32, device=x.device)
+            _FWD_TEAM_L2(nteams * S, (x2, t, loss, lse, d2, scale, part[0], part[1], part[2], cnt, rows, nteams, sx,
+                                      sd, V, ignore_index, float(smoothing), float(z_loss), cap,
+                                      0 if INTERPRET else MAX_SPIN),
+                         {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing > 0,
+                          "SEG": block * nblk, "BLOCK": block, "STAGES": max(1, st), "FLAGS": bool(flags)}, warps,
+                         maxnreg)
+            return
+        if kind == "team":
+            S = cdiv(V, block)
+            progs, maxnreg = team_grid(S, warps, pps, x.device)
+            nteams = min(rows, progs // S)
+            part = torch.empty((3, rows * S), dtype=torch.float32, device=x.device)
+            cnt = torch.zeros(rows, dtype=torch.int32, device=x.device)
+            _FWD_TEAM(nteams * S, (x2, t, loss, lse, d2, scale, part[0], part[1], part[2], cnt, rows, nteams, sx, sd,
+                                   V, ignore_index, float(smoothing), float(z_loss), cap,
+                                   -2.0 * math.log2(math.e) / cap,
+                                   0 if INTERPRET else MAX_SPIN),
+                      {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing > 0,
+                       "KEEP_EXP": bool(stages & 1), "PREFETCH": bool(stages & 2), "BLOCK": block}, warps, maxnreg)
+            return
         if kind == "split":
             S = cdiv(V, block)
             part = torch.empty((3, rows * S), dtype=torch.float32, device=x.device)
@@ -438,8 +753,11 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
               "LANES": kind in ("lane", "laneh")}, warps)
 
     with device_guard(x):
-        if write and dx.data_ptr() == x2.data_ptr():  # in place: a timing run would read its own output
-            launch(_best("ce_fwd", x, V, write, softcap > 0, split))
+        if setting is not None:
+            launch(setting)
+        elif write and dx.data_ptr() == x2.data_ptr():  # in place: a timing run would read its own output
+            c = _best("ce_fwd", x, V, write, softcap > 0, split)
+            launch(WRITE_SETTINGS[0] if c[2] in ("team", "team2") else c)  # the team kernel's fallback reads whole rows
         else:
             launch(tuned("ce_fwd", x.device, (x.dtype, write, softcap > 0, split, V, row_bucket(rows)),
                          lambda: _candidates(V, write, split), launch, rows * V))

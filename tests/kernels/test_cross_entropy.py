@@ -310,3 +310,52 @@ def test_reversed_gradient_pass(kind, opts, gen, monkeypatch):
     t = torch.randint(0, 50, (7,), generator=gen)
     t[3] = -100
     assert_matches_reference(x, t, "mean", torch.float32, gen, **opts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("opts", OPTIONS, ids=["plain", "softcap+smooth+z", "smooth1", "softcap0.5"])
+@pytest.mark.parametrize("setting", [(16, 1, "team", 1, 1), (16, 2, "team", 2, 3), (64, 1, "team", 1, 0),
+                                     (32, 1, "team", 8, 2), (8, 1, "team2", 1, 21), (16, 2, "team2", 2, 12),
+                                     (16, 1, "team2", 1, 41), (8, 1, "team2", 1, 1021), (16, 2, "team2", 2, 1041)],
+                         ids=["S4", "S4-prefetch", "S1", "S2-prefetch", "L2-S4", "L2-S2", "L2-S1", "L2-S4-flags",
+                              "L2-S1-flags"])
+def test_team_kernel_matches_float64(dtype, opts, setting, gen):
+    """The persistent team kernels, S programs per row ("team": S = ceil(V / BLOCK), each holding its columns in
+    registers; "team2": S = ceil(V / (BLOCK * blocks per segment)), each streaming its segment twice; "flags": the
+    64-bit flag-word exchange instead of the counter; V = 50, so the last segment is partial; 9 rows over fewer teams, so each program walks several rows) writes
+    the loss, the lse and the gradient of the float64 reference, on logits with a row stride > V. Under the
+    interpreter its programs run one after another: all but a row's last program give up waiting and read the
+    row themselves, the last combines the published partials, so both paths are checked."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    base = (torch.randn(9, 64, generator=gen) * 3).to(dtype)
+    x = base[:, :50]  # row stride 64
+    t = torch.randint(0, 50, (9,), generator=gen)
+    t[2] = -100
+    t[5] = 49  # the target in the last, partial segment
+    sm, eps, zl = opts.get("softcap"), opts.get("smoothing", 0.0), opts.get("z_loss", 0.0)
+    scale = torch.tensor([0.37])
+    dx = torch.full((9, 50), float("nan"), dtype=dtype)
+    xd, td, dxd = x.to(DEVICE), t.to(DEVICE), dx.to(DEVICE)
+    loss, lse = K.ce_fwd(xd, td, -100, eps, zl, sm or 0.0, grad_scale=scale.to(DEVICE), dx=dxd, setting=setting)
+    x64 = x.double().requires_grad_()
+    rows = ref_rows(x64, t, -100, eps, zl, sm)
+    (rows.sum() * 0.37).backward()
+    assert_close(loss.cpu(), rows.detach(), torch.float32, "loss rows")
+    z = x.double() if sm is None else sm * torch.tanh(x.double() / sm)
+    assert_close(lse.cpu(), torch.logsumexp(z, -1), torch.float32, "lse")
+    assert not torch.isnan(dxd).any()
+    assert_close(dxd.cpu().float(), x64.grad, dtype, "dlogits")
+
+
+def test_team_grid_caps_registers_so_the_programs_fit_together():
+    """team_grid: pps programs of w warps per SM, a whole number of teams; 2 x 8 warps = 512 threads, so 65536 /
+    512 = 128 registers per thread on a GPU (None under the interpreter, which has no registers); more than the
+    2048 threads an SM holds is refused."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    cpu = torch.device("cpu")  # sm_count: 4 for the CPU
+    progs, maxnreg = K.team_grid(3, 8, 2, cpu)
+    assert progs == 6  # 2 * 4 = 8 programs, rounded down to whole teams of 3
+    assert maxnreg == (None if K.INTERPRET else 128)
+    assert K.team_grid(16, 4, 2, cpu)[0] == 16  # fewer programs than one team: one team (correct, not co-resident)
+    with pytest.raises(ValueError, match="2048 threads"):
+        K.team_grid(4, 32, 3, cpu)
