@@ -5,11 +5,16 @@ Cases (each generated here, then read by a child process whose wall time and pea
 
 ``analyze_string``   ``mfuwatch analyze`` on a ``.json.gz`` (~260 KB) holding one 256 MiB JSON string
 ``analyze_bomb``     ``mfuwatch analyze`` on a gzip bomb: 4 GiB of whitespace inside ``{"traceEvents": [ ]}``
-``report_1gb``       ``mfuwatch report`` on a 1 GB timeline (step records every 10 steps, GPU samples, windows)
+``report_1gb``       ``mfuwatch report`` on a 1 GB timeline with the agent's record mix
+                     (benchmarks/realistic_timeline.py: steps, GPU samples, windows, phases, checkpoints,
+                     alerts, restarts); ``--simple`` for the older step/GPU/window-only generator
 ``resume_1gb``       the agent's resume read (``goodput.read_resume``) of the same 1 GB timeline
 
     python benchmarks/big_inputs.py                  # all cases, files under $TMPDIR, deleted after
     python benchmarks/big_inputs.py --only report_1gb --gb 1.0
+
+Each child's CPU time (user + sys, ``os.wait4``) is printed too: on a shared machine it varies far less
+than the wall time.
 
 Prints a table; writes ``$OUT/big_inputs.json`` (default ./out).
 """
@@ -84,7 +89,8 @@ def run_child(cmd, cwd=None) -> dict:
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     out, err = proc.stdout.read().decode(errors="replace"), proc.stderr.read().decode(errors="replace")
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+    return {"wall_s": round(wall, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
             "exit": os.waitstatus_to_exitcode(status), "stderr": err.strip()[-300:], "stdout": out.strip()[-300:]}
 
 
@@ -96,6 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated case names")
     ap.add_argument("--gb", type=float, default=1.0, help="timeline size for report_1gb/resume_1gb")
+    ap.add_argument("--simple", action="store_true", help="the step/GPU/window-only timeline generator")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
     out = Path(os.environ.get("OUT", "out"))
@@ -119,7 +126,13 @@ def main() -> int:
         if not only or only & {"report_1gb", "resume_1gb"}:
             p = d / "timeline.jsonl"
             t0 = time.perf_counter()
-            n = make_timeline(p, args.gb)
+            if args.simple:
+                n = make_timeline(p, args.gb)
+            else:
+                sys.path.insert(0, str(Path(__file__).resolve().parent))
+                import realistic_timeline
+
+                n = realistic_timeline.make(p, args.gb)["records"]["step"]
             size = p.stat().st_size
             print(f"generated {size / 1e9:.2f} GB timeline ({n} step records) in {time.perf_counter() - t0:.0f} s",
                   flush=True)
@@ -131,10 +144,11 @@ def main() -> int:
             if not only or "resume_1gb" in only:
                 r = run_child([py, "-c", RESUME, str(p)])
                 results["resume_1gb"] = dict(r, input=f"{size / 1e9:.2f} GB timeline")
-    print(f"{'case':<16} {'input':<44} {'wall s':>8} {'peak RSS MB':>12} {'exit':>5}  message")
+    print(f"{'case':<16} {'input':<44} {'wall s':>8} {'CPU s':>7} {'peak RSS MB':>12} {'exit':>5}  message")
     for k, r in results.items():
         msg = (r["stderr"] or r["stdout"]).splitlines()[-1:] or [""]
-        print(f"{k:<16} {r['input']:<44} {r['wall_s']:>8} {r['peak_rss_mb']:>12} {r['exit']:>5}  {msg[0][:120]}")
+        print(f"{k:<16} {r['input']:<44} {r['wall_s']:>8} {r['cpu_s']:>7} {r['peak_rss_mb']:>12} {r['exit']:>5}  "
+              f"{msg[0][:120]}")
     (out / "big_inputs.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -87,15 +87,19 @@ def mfu_figure(steps: List[_Rec], alerts: List[_Rec]) -> go.Figure:
                       if steps else "No step measurements in this timeline")
     fig = go.Figure([_line(steps, "mfu", "MFU"), _line(steps, "hfu", "HFU", line=dict(dash="dash"))])
     firing = [a for a in alerts if a.get("status") == "firing"]
+    shapes, notes = [], []
     for i, a in enumerate(firing):
         t = utc(a["timestamp"])
-        fig.add_shape(type="line", xref="x", yref="paper", x0=t, x1=t, y0=0, y1=1,
-                      line=dict(color="#cf222e", dash="dot", width=1))
+        shapes.append(dict(type="line", xref="x", yref="paper", x0=t, x1=t, y0=0, y1=1,
+                           line=dict(color="#cf222e", dash="dot", width=1)))
         # Alerts of one evaluation share a timestamp: stack their labels downwards.
-        fig.add_annotation(x=t, y=1, xref="x", yref="paper", text=str(a.get("alertname", "alert")),
-                           showarrow=False, yanchor="top", xanchor="left", yshift=-14 * (i % 4),
-                           font=dict(color="#cf222e", size=11))
-    fig.update_layout(title=title, yaxis=dict(tickformat=".1%", rangemode="tozero"), **_LAYOUT)
+        notes.append(dict(x=t, y=1, xref="x", yref="paper", text=str(a.get("alertname", "alert")),
+                          showarrow=False, yanchor="top", xanchor="left", yshift=-14 * (i % 4),
+                          font=dict(color="#cf222e", size=11)))
+    # one layout update for all markers: plotly's add_shape/add_annotation copy the whole list each call,
+    # quadratic in the alerts (a 1 GB timeline's 635 firing alerts took 110 s of the report's 140 s)
+    fig.update_layout(title=title, yaxis=dict(tickformat=".1%", rangemode="tozero"), shapes=shapes,
+                      annotations=notes, **_LAYOUT)
     return fig
 
 

@@ -93,6 +93,26 @@ def test_a_user_handler_installed_before_the_agent_still_runs(tmp_path):
     assert [r["signal"] for r in read_timeline(tl) if r["kind"] == "signal"] == ["SIGTERM"]
 
 
+def test_a_user_handler_installed_after_the_agent_replaces_it_and_the_agent_closes_at_exit(tmp_path):
+    # A handler set after the agent (Lightning's, HF Trainer's in their fit/train) replaces the agent's: the
+    # agent does not see the signal (no signal record), and closes when the user's handler ends the run
+    # (here sys.exit(7) in the with-block): the exit status is the user's, every step is in the timeline, the
+    # alert is resolved with the ordinary reason and the file-SD target is removed.
+    with AlertReceiver() as rx:
+        proc, tl, sd = _run("after", tmp_path, rx)
+        _wait_firing(rx, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert proc.returncode == 7
+        assert Path(str(tl) + ".user").read_text() == f"{int(signal.SIGTERM)}\n"
+        assert [a["annotations"]["resolved_reason"] for a in _alerts(rx, "resolved")] == ["run ended"]
+    records = list(read_timeline(tl))
+    assert not [r for r in records if r["kind"] == "signal"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert steps and steps[-1]["step"] == sum(r["steps"] for r in steps)
+    assert list(sd.iterdir()) == []
+
+
 def test_sigint_and_an_exception_behave_as_without_the_agent(tmp_path):
     with AlertReceiver() as rx:
         proc, tl, _ = _run("loop", tmp_path, rx)

@@ -7,6 +7,7 @@ below its threshold: flops_per_step 1e3 against a 1e15 FLOP/s peak), notified to
 ``loop``     step until killed (the test sends the signal)
 ``user``     as ``loop``, with a SIGTERM handler installed before the agent that writes ``TIMELINE.user``
              and exits with status 7
+``after``    the same handler installed after the agent started (it replaces the agent's)
 ``error``    raise RuntimeError after 40 steps inside the agent's with-block
 ``fork``     fork after 30 steps; the child exits with status 3 through the normal interpreter exit
              (atexit included); the parent waits for it (10 s at most), prints ``child status N``,
@@ -27,17 +28,20 @@ ALERTS = {"use_default_rules": False, "inhibit_rules": [], "evaluation_interval"
                                "severity": "critical", "annotations": {"summary": "MFU is {value:pct}"}}},
           "notifiers": [{"type": "webhook", "url_env": "MFUWATCH_TEST_HOOK"}]}
 
-if mode == "user":
-    def on_term(signum, frame):
-        with open(timeline + ".user", "w") as fh:
-            fh.write(f"{signum}\n")
-        sys.exit(7)
+def on_term(signum, frame):
+    with open(timeline + ".user", "w") as fh:
+        fh.write(f"{signum}\n")
+    sys.exit(7)
 
+
+if mode == "user":
     signal.signal(signal.SIGTERM, on_term)
 
 with Agent(config=dict(run="preempt", port=0, nvml=False, profile_every="off", flops_per_step=1e3, peak_flops=1e15,
                        report_every_steps=10, timeline=timeline, file_sd_dir=sd_dir, alerts=ALERTS,
                        preemption_signals=["SIGTERM", "SIGUSR1"])) as agent:
+    if mode == "after":
+        signal.signal(signal.SIGTERM, on_term)
     print("started", flush=True)
     n = 0
     while True:

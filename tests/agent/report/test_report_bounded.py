@@ -104,3 +104,56 @@ def test_torn_last_line_is_skipped_and_a_bad_middle_line_is_an_error(tmp_path):
         fh.write("\n" + json.dumps({"kind": "step", "step": 1}) + "\n")
     with pytest.raises(ValueError, match=r"tl.jsonl:12: not a JSON line"):
         load_timeline(path)
+
+
+def test_a_report_of_the_agents_record_mix_marks_every_firing_alert_and_keeps_the_medians(tmp_path):
+    # The record mix of a long run (attempt, phase, checkpoint, a second run record with the same labels,
+    # alerts firing and resolving) with known figures: 60 step records of 10 steps at 0.1 s, 40 at 0.3 s
+    # -> weighted median step time 0.1 s, MFU = 1e12 / st / 1e15 -> median 1.0%; 30 firing alerts, each
+    # followed by its resolve. The figure marks the firing ones (not the resolves), in file order, labels
+    # stacked by yshift -14 * (i % 4) (alerts of one evaluation share a time) -- the markers are set in one
+    # layout update, not added one by one (which copied the list each time: quadratic in the alerts).
+    from mfuwatch.agent.report import figures as figs
+    from mfuwatch.agent.report.html import render_html
+
+    path = tmp_path / "tl.jsonl"
+    t0 = 1.7e9
+    recs = [{"kind": "run", "run": "mix", "rank": 0, "peak_flops_per_second": 1e15},
+            {"kind": "attempt", "pid": 1, "host": "h", "timestamp": t0, "lost_steps": 0.0}]
+    fired = []
+    for i in range(100):
+        st = 0.1 if i % 5 < 3 else 0.3
+        ts = t0 + i
+        recs.append({"kind": "step", "step": 10 * (i + 1), "steps": 10, "timestamp": ts, "step_time_seconds": st,
+                     "tokens": 40960, "tokens_per_second": 4096 / st, "model_flops_per_second": 1e12 / st,
+                     "mfu": 1e12 / st / 1e15, "hfu": None, "implausible": {}})
+        if i % 10 == 0:
+            recs.append({"kind": "phase", "name": "eval", "bucket": "eval", "step": 10 * (i + 1), "seconds": 2.0,
+                         "timestamp": ts})
+            recs.append({"kind": "checkpoint", "phase": "save", "step": 10 * (i + 1), "seconds": 1.0,
+                         "source": "x", "timestamp": ts})
+        if i % 10 in (3, 4, 5):
+            name = f"Rule{i}"
+            fired.append((name, ts))
+            recs.append({"kind": "alert", "alertname": name, "status": "firing", "severity": "warning",
+                         "timestamp": ts, "labels": {"alertname": name}, "annotations": {}})
+            recs.append({"kind": "alert", "alertname": name, "status": "resolved", "severity": "warning",
+                         "timestamp": ts + 0.5, "labels": {"alertname": name}, "annotations": {}})
+        if i == 50:
+            recs.append({"kind": "run", "run": "mix", "rank": 0, "dtype": "bfloat16"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = load_timeline(path)
+    assert data.counts == {"step": 100, "window": 0, "gpu": 0, "alert": 60}
+    assert data.run["dtype"] == "bfloat16" and data.run["peak_flops_per_second"] == 1e15
+    assert data.step_columns.quantile("step_time_seconds", 0.5) == 0.1
+    assert data.step_columns.quantile("mfu", 0.5) == pytest.approx(1e12 / 0.1 / 1e15)  # 0.0033 on 40%, 0.01 on 60%
+    fig = figs.mfu_figure(data.steps, data.alerts)
+    assert len(fired) == 30
+    assert [a.text for a in fig.layout.annotations] == [n for n, _ in fired]
+    assert [a.yshift for a in fig.layout.annotations] == [-14 * (i % 4) for i in range(30)]
+    xs = [figs.utc(t) for _, t in fired]
+    assert [s.x0 for s in fig.layout.shapes] == xs and [s.x1 for s in fig.layout.shapes] == xs
+    assert all(s.type == "line" and s.yref == "paper" and (s.y0, s.y1) == (0, 1) for s in fig.layout.shapes)
+    page = render_html(data)
+    assert "Step time (median)</div><div class=\"value\">100.0 ms" in page
+    assert "MFU (median)</div><div class=\"value\">1.0%" in page
