@@ -261,7 +261,8 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
         # after torch.compile the eager window's gaps are gone with its launches; graphs gain only where the
         # compiled regions' launches outlast their GPU work (gain_model.graphs_after_compile)
         residual = gain_model.graphs_after_compile(_regions_after_compile(ctx, where, fusing))
-        g = residual * 1e-6 / w.steps / step_time_seconds
+        # the bound takes eager's host cost per launch; no more than the starving the eager window shows
+        g = min(residual * 1e-6 / w.steps / step_time_seconds, claims["cuda_graphs"].gain)
         in_set["cuda_graphs"] = g
         if g < min_gain:
             covered["cuda_graphs"] = "torch_compile"
