@@ -43,7 +43,8 @@ def fixes_of(a: AlertSnapshot) -> List[dict]:
     suggestions = list(a.context.get("suggestions") or [])
     shown = suggestions[:1]
     if shown and shown[0].get("kind") != "bundled":
-        shown += [s for s in suggestions[1:] if s.get("kind") == "bundled"][:1]
+        rest = [s for s in suggestions[1:] if s.get("kind") == "bundled"]
+        shown += ([s for s in rest if not s.get("covered_by")] or rest)[:1]  # one no other fix covers, if any
     if not shown and a.annotations.get("suggested_apply"):
         shown = [{"kernel": a.annotations.get("suggested_kernel") or "fix", "apply": a.annotations["suggested_apply"],
                   "expected_gain": a.annotations.get("suggested_expected_gain")}]
