@@ -84,7 +84,8 @@ def alert_lines(a: AlertSnapshot) -> List[str]:
         lines.append("  waiting at: " + a.annotations.get("waiting_at", hang.get("where", "")))
         lines.extend("    " + f for f in hang.get("frames", [])[1:])
     for s in fixes_of(a):  # the first suggestion, and the bundled drop-in when there is one
-        lines.append(f"  fix: {s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}")
+        covered = f"  (covered by {s['covered_by']}, already suggested)" if s.get("covered_by") else ""
+        lines.append(f"  fix: {s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}{covered}")
     if a.annotations.get("runbook_url"):
         lines.append("  Runbook: " + a.annotations["runbook_url"])
     return lines
