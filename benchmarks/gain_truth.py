@@ -17,8 +17,17 @@ drop-ins          ``mfuwatch.kernels.patch(model, kernels=[name])``
 the set           every suggestion not covered by another, together: against the window's combined gain
 ================  ===============================================================================
 
-Measured gain = (base ms/step − fix ms/step) / base ms/step (median of ``--steps`` synchronized steps after
-``--warmup``). Goal (issue 24): every predicted gain within 2 percentage points or 25% of the measured one,
+Every drop-in ``patch`` applies to both decoders (rms_norm, rotary, cross_entropy, swiglu) is measured alone even
+when the window does not suggest it (its predicted gain is then 0: below ``MIN_GAIN``). A drop-in's process
+applies it by executing the suggestion's own line (``mfuwatch.kernels.patch(model, kernels=["<name>"])``).
+
+Measured gain = (reference ms/step − fix ms/step) / base ms/step, each ms/step the median over ``--rounds``
+processes of each process's median of ``--steps`` synchronized steps after ``--warmup``; rounds alternate the
+order (round 2 runs the configurations in reverse), and the table gives the spread of the per-round gains.
+With ``--overlap N`` up to N processes are alive: the next ones import, build and run their first (compiling)
+step while one, holding a file lock, runs its warm-up and timed steps; the base process, whose profiler window
+gives the predictions, always runs alone. ``--reanalyze DIR`` re-derives a finished run's predictions from its
+saved windows with the current checkout. Goal (issue 24): every predicted gain within 2 percentage points or 25% of the measured one,
 whichever is larger. The parent prints a markdown table and, with ``$OUT`` set, writes ``$OUT/gain_truth.md``,
 ``$OUT/gain_truth/<model>.jsonl`` (one JSON record per configuration, written as each process finishes),
 ``$OUT/gain_truth/<model>.window.json.gz`` (the profiler window's trace) and ``children.log`` (their stderr).
@@ -26,6 +35,8 @@ whichever is larger. The parent prints a markdown table and, with ``$OUT`` set, 
     python3 benchmarks/gain_truth.py --models llama               # H200: one model, ~4-5 min
     python3 benchmarks/gain_truth.py --models qwen3 --budget 280  # stop starting processes after 280 s
     python3 benchmarks/gain_truth.py --cpu --tiny                 # CPU smoke test (CI): plumbing, no timing claims
+    python3 benchmarks/gain_truth.py --models qwen3 --rounds 2 --overlap 3 --steps 6 --warmup 2   # run 3's
+    python3 benchmarks/gain_truth.py --models llama,qwen3 --reanalyze DIR   # DIR: <model>.jsonl + .window.json.gz
 
 Models: ``llama`` (8 layers, d=2048, GQA 16/4, SwiGLU ff 5632, V=32000) and ``qwen3`` (8 layers, d=2048,
 16/8 heads of head_dim 128 with q/k RMSNorm, ff 6144, V=151936, tied embeddings); batch 4 x 2048.
