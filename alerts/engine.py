@@ -48,7 +48,7 @@ from .notifiers.base import OUTCOMES, NotifierWorker
 from .notifiers.console import format_number
 from .rules import Rule
 from .secrets import SecretError
-from .signals import MeasurementStore, hang_context, memory_bound_ops, suggestion_rows
+from .signals import MeasurementStore, covered_text, hang_context, memory_bound_ops, suggestion_rows
 from .stall import StallClock
 from .templates import fmt_pct
 from .validation import AlertConfigError, format_duration
@@ -415,11 +415,14 @@ class AlertEngine:
                     suggested_kernel=s["kernel"], suggested_apply=s["apply"],
                     suggested_expected_gain="%.4g" % s["expected_gain"],
                     suggestions="\n".join(f"{x['kernel']} [{x['kind']}]: {x['apply']} (expected gain "
-                                          f"{fmt_pct(x['expected_gain'])} of step time)" for x in suggestions))
+                                          f"{fmt_pct(x['expected_gain'])} of step time{covered_text(x)})"
+                                          for x in suggestions))
                 bundled = [x for x in suggestions if x["kind"] == "bundled"]
                 if bundled:
                     st.annotations.update(bundled_kernel=bundled[0]["kernel"], bundled_apply=bundled[0]["apply"],
                                           bundled_expected_gain="%.4g" % bundled[0]["expected_gain"])
+                    if bundled[0].get("covered_by"):
+                        st.annotations["bundled_covered_by"] = str(bundled[0]["covered_by"])
             if ops:
                 st.annotations["top_memory_bound_ops"] = ", ".join(f"{o['op']} {fmt_pct(o['share'])}" for o in ops)
         elif rule.expr in WATCHDOG_SIGNALS:

@@ -8,7 +8,7 @@ so it holds for any number of ranks, and keeps the labels ``job`` and ``run``
 
 Recorded series (``level:metric:operation``; names do not carry the window):
 
-``job:mfuwatch_mfu:ratio``                   sum(rate(model_flops_total)) / sum(rate(step_seconds_total) x peak)
+``job:mfuwatch_mfu:ratio``                   sum(rate(model_flops_total), each rank at most its capacity) / sum(rate(step_seconds_total) x peak), at most the largest mfuwatch_mfu_ratio a rank reports
 ``job:mfuwatch_hfu:ratio``                   the same with hardware FLOPs
 ``job:mfuwatch_tokens_total:rate``           job tokens/s (sum of the ranks' tokens per device-second)
 ``rank:mfuwatch_step_seconds:mean``          a rank's mean step time over the window (device-timed steps)
@@ -93,6 +93,23 @@ def _live(expr: str, by: str) -> str:
     return f"({expr}) and on ({by}) group by ({by}) ({M.STEPS_TOTAL})"
 
 
+def _bounded_ratio(flops_total: str, gauge: str, w: str, capacity: str) -> str:
+    """A job's FLOPs over its capacity that cannot exceed what its ranks report.
+
+    At a job's edges the two ``rate()`` of a rank (its FLOPs counter, its step-seconds counter) are
+    extrapolated over different spans (a counter born between two scrapes, a last scrape that has one and not
+    the other), and their ratio can exceed 1. So each rank's FLOP rate counts at most its own capacity
+    (``rate(step seconds) x peak``: ``(F <= C) or (C and F)``), which bounds the job's ratio by 1, and the job's
+    ratio is then at most the largest ratio its ranks report (``max by (job, run) (gauge)``; where no rank
+    reports one, e.g. every value was withheld as implausible, the capped ratio stands).
+    """
+    cap = f"(rate({M.STEP_SECONDS_TOTAL}[{w}]) * {M.PEAK_FLOPS_PER_SECOND})"
+    rate = f"rate({flops_total}[{w}])"
+    ratio = f"(sum by (job, run) (({rate} <= {cap}) or ({cap} and {rate})) / ({capacity} > 0))"
+    top = f"max by (job, run) ({gauge})"
+    return f"({ratio} <= on (job, run) {top}) or on (job, run) ({top} and on (job, run) {ratio}) or {ratio}"
+
+
 def recording_rules(c: FleetRuleConfig) -> list:
     """The recording rules, in evaluation order (later rules read earlier ones).
 
@@ -112,9 +129,9 @@ def recording_rules(c: FleetRuleConfig) -> list:
     capacity = f"sum by (job, run) (rate({M.STEP_SECONDS_TOTAL}[{w}]) * {M.PEAK_FLOPS_PER_SECOND})"
     return [
         {"record": "job:mfuwatch_mfu:ratio",
-         "expr": _live(f"sum by (job, run) (rate({M.MODEL_FLOPS_TOTAL}[{w}])) / ({capacity} > 0)", job)},
+         "expr": _live(_bounded_ratio(M.MODEL_FLOPS_TOTAL, M.MFU, w, capacity), job)},
         {"record": "job:mfuwatch_hfu:ratio",
-         "expr": _live(f"sum by (job, run) (rate({M.HARDWARE_FLOPS_TOTAL}[{w}])) / ({capacity} > 0)", job)},
+         "expr": _live(_bounded_ratio(M.HARDWARE_FLOPS_TOTAL, M.HFU, w, capacity), job)},
         {"record": "job:mfuwatch_tokens_total:rate",
          "expr": _live(f"sum by (job, run) (rate({M.TOKENS_TOTAL}[{w}]) / (rate({M.STEP_SECONDS_TOTAL}[{w}]) > 0))",
                        job)},

@@ -145,11 +145,33 @@ def merge_rules(defaults: Mapping[str, Any], user: Mapping[str, Any], *, use_def
                                        f"{', '.join(missing)}{hint}")
             base[name] = dict(spec)
     builtin = set(defaults) if use_defaults else set()
-    return tuple(parse_rule(name, spec, builtin=name in builtin, runbook_base_url=runbook_base_url)
+    return tuple(parse_rule(name, spec, builtin=name in builtin, runbook_base_url=runbook_base_url,
+                            runbook=runbook_for(name, spec.get("expr"), defaults))
                  for name, spec in base.items())
 
 
-def parse_rule(name: str, spec: Mapping[str, Any], *, builtin: bool, runbook_base_url: str) -> Rule:
+#: The alert names with a runbook in docs/runbooks (``<name>.md``): the built-in rules and the fleet alerts.
+#: tests/alerts/test_alert_runbooks.py checks this set against the folder.
+RUNBOOKS = frozenset({
+    "GoodputLow", "GpuEccErrors", "GpuMemoryPressure", "GpuThrottling", "GpuXidErrors", "InputBoundRank",
+    "InputStall", "MemoryBoundDominant", "MfuAboveTensorActivity", "MfuFarBelowTensorActivity", "MfuImplausible",
+    "MfuLow", "MfuRegression", "StragglerRank", "TrainingStalled"})
+
+
+def runbook_for(name: str, expr: Any, defaults: Mapping[str, Any]) -> Optional[str]:
+    """The runbook an alert links to: its own (``name`` in :data:`RUNBOOKS`), else that of the first built-in
+    rule reading the same expression (a custom ``mfu < 0.3`` rule links MfuLow's), else None (no link: a
+    custom rule gives its own ``annotations.runbook_url``)."""
+    if name in RUNBOOKS:
+        return name
+    for other, spec in defaults.items():
+        if other in RUNBOOKS and isinstance(spec, Mapping) and expr is not None and spec.get("expr") == expr:
+            return other
+    return None
+
+
+def parse_rule(name: str, spec: Mapping[str, Any], *, builtin: bool, runbook_base_url: str,
+               runbook: Optional[str] = None) -> Rule:
     """Validate one merged rule spec into a :class:`Rule`."""
     where = f"rules.{name}"
     check_keys(spec, RULE_KEYS, where)
@@ -172,7 +194,8 @@ def parse_rule(name: str, spec: Mapping[str, Any], *, builtin: bool, runbook_bas
             raise AlertConfigError(f"{where}.labels.{k}: this label is set by mfuwatch; reserved: "
                                    f"{', '.join(RESERVED_LABELS)} (use the rule's 'severity' key for severity)")
     texts = as_str_map(spec.get("annotations"), f"{where}.annotations")
-    texts.setdefault("runbook_url", f"{runbook_base_url.rstrip('/')}/{name}.md")
+    if runbook is not None:  # only to a runbook that exists (runbook_for)
+        texts.setdefault("runbook_url", f"{runbook_base_url.rstrip('/')}/{runbook}.md")
     annotations = {k: Template(v, f"{where}.annotations.{k}") for k, v in texts.items()}
     for_seconds = parse_duration(spec.get("for", 0), f"{where}.for")
     window = offset = None

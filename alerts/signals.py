@@ -374,17 +374,32 @@ def suggestion_rows(window: Optional[WindowMeasurement], limit: int = 3) -> List
     """The first ``limit`` suggestions of a window as plain dicts, in the agent's ranking order.
 
     The agent ranks existing PyTorch fixes first; when none of the first ``limit`` is a
-    bundled mfuwatch kernel, the first bundled one is appended, so the alert always
-    names the drop-in when there is one.
+    bundled mfuwatch kernel, a bundled one is appended, so the alert always names the
+    drop-in when there is one: the first that no other suggested fix covers (``covered_by``
+    None: e.g. not one whose ops ``torch.compile`` fuses too), else the first, which then
+    carries its ``covered_by`` so the text can say that fix already covers it. Each row:
+    ``kernel, title, apply, expected_gain, kind, ops, covered_by, gain_in_set``.
     """
     if window is None:
         return []
     every = list(window.suggestions or [])
     chosen = every[:limit]
     if not any(s.kind == "bundled" for s in chosen):
-        chosen += [s for s in every[limit:] if s.kind == "bundled"][:1]
+        rest = [s for s in every[limit:] if s.kind == "bundled"]
+        chosen += ([s for s in rest if not getattr(s, "covered_by", None)] or rest)[:1]
     return [{"kernel": s.kernel, "title": s.title, "apply": s.apply, "expected_gain": float(s.expected_gain),
-             "kind": s.kind, "ops": list(s.ops)} for s in chosen]
+             "kind": s.kind, "ops": list(s.ops), "covered_by": getattr(s, "covered_by", None),
+             "gain_in_set": getattr(s, "gain_in_set", None)} for s in chosen]
+
+
+def covered_text(row: dict) -> str:
+    """``"; covered by torch_compile (in the set it adds 0.0%)"`` for a suggestion row another suggested fix
+    already covers, else ``""``."""
+    by = row.get("covered_by")
+    if not by:
+        return ""
+    g = row.get("gain_in_set")
+    return f"; covered by {by}" + (f" (in the set it adds {g:.1%})" if isinstance(g, (int, float)) else "")
 
 
 def memory_bound_ops(window: Optional[WindowMeasurement], limit: int = 5) -> List[dict]:

@@ -13,6 +13,12 @@
   waited for the host, i.e. the next activity's launch call returned after the GPU had gone idle.
   A gap before an activity that was already queued (launched while the GPU was still busy) is the
   device's own kernel-to-kernel latency, which a graph replay keeps.
+* :func:`graphs_after_compile`: what CUDA graphs still gain once ``torch.compile`` is applied. A compiled
+  region (the model's forward, its backward) launches fewer kernels from Inductor's wrapper code, a cheaper
+  path than eager dispatch; the GPU waits for the host only when issuing the region's launches takes longer
+  than running them. Graphs recover that excess per region, ``max(0, H − G)``, and nothing outside the
+  compiled region (``mode="reduce-overhead"`` captures only the compiled graphs: the optimizer step, the
+  data loader, syncs stay as they are).
 * :func:`combine`: the set of suggestions a window proposes and their combined gain, Amdahl over
   disjoint op time: a suggestion's gain *in the set* counts only the time of ops no earlier member
   already claimed; one left with under ``min_gain`` is shown as covered by the member that claimed
@@ -92,6 +98,49 @@ def host_bound_gaps(ts: Sequence[float], dur: Sequence[float], launch_end: Seque
         if end > reach:
             reach, last = end, k
     return out
+
+
+#: Where a GPU activity was launched from, for CUDA graphs: the model's forward, its backward (the autograd
+#: engine), or outside both (the optimizer step, zero_grad, anything under another annotation).
+FORWARD, BACKWARD, OUTSIDE = 0, 1, 2
+
+
+@dataclass
+class RegionLaunches:
+    """One compiled region's launches in an eager window, and what ``torch.compile`` leaves of them.
+
+    Attributes:
+        launches: GPU activities the region launched in the window (eager).
+        host_us: µs over which the host issued them (per step, first to last launch call's return; summed
+            over the window's steps).
+        kernels_after: activities it launches once compiled: the kernels compile keeps (matmuls, attention,
+            any op it does not fuse) plus one per fused group.
+        gpu_us_after: GPU µs of the region once compiled: the kept kernels' time plus the fused groups'
+            replacement time.
+    """
+
+    launches: int
+    host_us: float
+    kernels_after: int
+    gpu_us_after: float
+
+
+def graphs_after_compile(regions: Sequence[RegionLaunches], host_us_per_launch: float = -1.0) -> float:
+    """µs of the window CUDA graphs still recover once the regions are compiled: Σ max(0, H − G).
+
+    ``H`` = ``kernels_after`` × the host µs per launch after compile, ``G`` = ``gpu_us_after``. The host cost
+    of one launch after compile is bounded by the eager window's own (``host_us / launches`` of the most
+    expensive region, or ``host_us_per_launch`` when given ≥ 0): eager dispatch goes through the Python
+    module code, the dispatcher and the op's launch; Inductor's wrapper calls the launch directly. When the
+    compiled region's GPU time exceeds that bound the host runs ahead of the GPU (the launch queue fills)
+    and no gap is left for a graph replay to remove; below it the GPU starves for the difference.
+
+    Raises nothing: regions without launches add 0.
+    """
+    per = host_us_per_launch
+    if per < 0:
+        per = max((r.host_us / r.launches for r in regions if r.launches > 0), default=0.0)
+    return sum(max(0.0, r.kernels_after * per - r.gpu_us_after) for r in regions if r.launches > 0)
 
 
 @dataclass

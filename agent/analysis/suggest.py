@@ -22,8 +22,8 @@ that disjoint time (docs/analyze.md, "How the gains are modelled").
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-
 import re
 from array import array
 from dataclasses import dataclass, field
@@ -197,13 +197,18 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
     dropin_matches: Dict[str, List[_Match]] = {}
     gaps: List[Tuple[float, int, int]] = [] if w.device_type == "cpu" else gain_model.host_bound_gaps(
         w.kr_ts, w.kr_dur, w.index.k_launch_end, reg.MAX_LAUNCH_GAP_SECONDS * 1e6)
+    where = _launch_regions(ctx) if gaps else bytearray()
+    fusing: Optional[List[_Match]] = None  # torch.compile's matches (for CUDA graphs after it)
     for r in remedies:
         if r.bundled and w.device_type == "cpu":
             continue  # the bundled drop-ins are Triton kernels: patch() refuses them without CUDA
         if r.detector == "launch_bound":
             if w.device_type == "cpu":
                 continue
-            matches = [_Match(time_us=sum(g for g, _, _ in gaps), replace_s=0.0)] if gaps else []
+            # mode="reduce-overhead" captures the compiled model's forward and backward only: the gaps of the
+            # optimizer step (and anything else outside the model) stay
+            graph_gaps = [x for x in gaps if where[x[2]] != gain_model.OUTSIDE]
+            matches = [_Match(time_us=sum(g for g, _, _ in graph_gaps), replace_s=0.0)] if graph_gaps else []
             names = ["(GPU idle gaps < %d µs waiting for a launch)" % round(reg.MAX_LAUNCH_GAP_SECONDS * 1e6)]
         elif r.detector == "fp32_matmul":
             matches, names = _fp32_matmuls(ctx, bw)
@@ -226,6 +231,7 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
                     m.replace_s = max(m.replace_s, sum(ctx.flop_s[t] for t in m.fwd + m.bwd))
             if r.detector == "pointwise_chain":
                 matches = matches + _fused_by_compile(ctx, matches, dropin_matches)
+                fusing = matches
             elif r.kernel in COMPILE_FUSES:
                 dropin_matches[r.kernel] = matches
             names = sorted({ctx.name(t) for m in matches for t in m.fwd})
@@ -239,7 +245,7 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
             continue
         out.append(Suggestion(kernel=r.kernel, title=r.title, apply=r.apply, ops=names, time_seconds=per_step,
                               expected_gain=min(gain, 1.0), kind="bundled" if r.bundled else "existing"))
-        claims[r.kernel] = _claim(ctx, r, matches, gaps, gain)
+        claims[r.kernel] = _claim(ctx, r, matches, graph_gaps if r.detector == "launch_bound" else gaps, gain)
     total = sum(x.expected_gain for x in out)
     if total > 1.0:
         # Amdahl gains of disjoint ops cannot exceed the step; a larger sum means the step time given was
@@ -249,8 +255,80 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
             c.gain /= total
     out.sort(key=lambda s: (s.kind != "existing", -s.expected_gain))
     in_set, covered, combined = gain_model.combine([claims[s.kernel] for s in out], min_gain)
+    order = [s.kernel for s in out]
+    if ("cuda_graphs" in in_set and fusing is not None and "torch_compile" in in_set
+            and order.index("torch_compile") < order.index("cuda_graphs") and "torch_compile" not in covered):
+        # after torch.compile the eager window's gaps are gone with its launches; graphs gain only where the
+        # compiled regions' launches outlast their GPU work (gain_model.graphs_after_compile)
+        residual = gain_model.graphs_after_compile(_regions_after_compile(ctx, where, fusing))
+        # the bound takes eager's host cost per launch; no more than the starving the eager window shows
+        g = min(residual * 1e-6 / w.steps / step_time_seconds, claims["cuda_graphs"].gain)
+        in_set["cuda_graphs"] = g
+        if g < min_gain:
+            covered["cuda_graphs"] = "torch_compile"
+        else:
+            covered.pop("cuda_graphs", None)
+        combined = min(1.0, sum(v for k, v in in_set.items() if k not in covered and v >= min_gain))
     out = [dataclasses.replace(s, gain_in_set=in_set.get(s.kernel), covered_by=covered.get(s.kernel)) for s in out]
     return out, combined
+
+
+def _launch_regions(ctx: _Context) -> bytearray:
+    """Per GPU activity of the window: :data:`.gain_model.FORWARD`, ``BACKWARD`` (launched under an autograd
+    engine node) or ``OUTSIDE`` (under an ``Optimizer.*`` annotation, i.e. ``optimizer.step`` / ``zero_grad``,
+    or with no launching op)."""
+    ix, w = ctx.ix, ctx.w
+    optim = {i for i, n in enumerate(ix.names) if n.startswith("Optimizer.")}
+    out = bytearray(len(w.kr_op))
+    for k, op in enumerate(w.kr_op):
+        if op < 0:
+            out[k] = gain_model.OUTSIDE
+            continue
+        t = ix.op_top[op]
+        if ix.op_region[t] in optim or ix.op_region[op] in optim:
+            out[k] = gain_model.OUTSIDE
+        elif ctx.name(t).startswith(_BACKWARD_PREFIX):
+            out[k] = gain_model.BACKWARD
+        else:
+            out[k] = gain_model.FORWARD
+    return out
+
+
+def _regions_after_compile(ctx: _Context, where: bytearray, fusing: List[_Match]) -> List[gain_model.RegionLaunches]:
+    """The forward and backward regions as :func:`.gain_model.graphs_after_compile` takes them: their eager
+    launches and host time (per profiler step: first to last launch call's return), and what compile leaves:
+    the kernels of ops it does not fuse (kept, at their eager time) plus one kernel per fused group in each
+    direction (at the group's replacement time, split between forward and backward by their eager time)."""
+    ix, w = ctx.ix, ctx.w
+    fused = {t for m in fusing for t in m.fwd + m.bwd}
+    steps = sorted(ix.steps) or [(float("-inf"), float("inf"))]
+    starts = [a for a, _ in steps]
+    regions = []
+    for code in (gain_model.FORWARD, gain_model.BACKWARD):
+        launches, kept, kept_us = 0, 0, 0.0
+        span: Dict[int, List[float]] = {}
+        for k, op in enumerate(w.kr_op):
+            if where[k] != code:
+                continue
+            launches += 1
+            le = ix.k_launch_end[k]
+            if le == le:
+                i = max(0, bisect.bisect_right(starts, le) - 1)
+                lo_hi = span.setdefault(i, [le, le])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], le), max(lo_hi[1], le)
+            if ix.op_top[op] not in fused:
+                kept += 1
+                kept_us += w.kr_dur[k]
+        groups, group_us = 0, 0.0
+        for m in fusing:
+            part = m.fwd if code == gain_model.FORWARD else m.bwd
+            if not part or m.time_us <= 0:
+                continue
+            groups += 1
+            group_us += (m.replace_s or 0.0) * 1e6 * sum(ctx.time[t] for t in part) / m.time_us
+        regions.append(gain_model.RegionLaunches(launches=launches, host_us=sum(b - a for a, b in span.values()),
+                                                 kernels_after=kept + groups, gpu_us_after=kept_us + group_us))
+    return regions
 
 
 def _claim(ctx: _Context, r, matches: List[_Match], gaps, gain: float) -> gain_model.Claim:

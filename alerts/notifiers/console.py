@@ -43,7 +43,8 @@ def fixes_of(a: AlertSnapshot) -> List[dict]:
     suggestions = list(a.context.get("suggestions") or [])
     shown = suggestions[:1]
     if shown and shown[0].get("kind") != "bundled":
-        shown += [s for s in suggestions[1:] if s.get("kind") == "bundled"][:1]
+        rest = [s for s in suggestions[1:] if s.get("kind") == "bundled"]
+        shown += ([s for s in rest if not s.get("covered_by")] or rest)[:1]  # one no other fix covers, if any
     if not shown and a.annotations.get("suggested_apply"):
         shown = [{"kernel": a.annotations.get("suggested_kernel") or "fix", "apply": a.annotations["suggested_apply"],
                   "expected_gain": a.annotations.get("suggested_expected_gain")}]
@@ -83,7 +84,8 @@ def alert_lines(a: AlertSnapshot) -> List[str]:
         lines.append("  waiting at: " + a.annotations.get("waiting_at", hang.get("where", "")))
         lines.extend("    " + f for f in hang.get("frames", [])[1:])
     for s in fixes_of(a):  # the first suggestion, and the bundled drop-in when there is one
-        lines.append(f"  fix: {s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}")
+        covered = f"  (covered by {s['covered_by']}, already suggested)" if s.get("covered_by") else ""
+        lines.append(f"  fix: {s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}{covered}")
     if a.annotations.get("runbook_url"):
         lines.append("  Runbook: " + a.annotations["runbook_url"])
     return lines

@@ -91,7 +91,8 @@ def shown_fixes(a: AlertSnapshot) -> List[Mapping[str, Any]]:
 
 def fix_line(s: Mapping[str, Any]) -> str:
     """One fix, whole: ``rms_norm: mfuwatch.kernels.patch(...)  (expected gain 12.3% of step time)``."""
-    return f"{s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}"
+    covered = f"  (covered by {s['covered_by']}, already suggested)" if s.get("covered_by") else ""
+    return f"{s['kernel']}: {s['apply']}{gain_text(s.get('expected_gain'))}{covered}"
 
 
 def fix_details(a: AlertSnapshot) -> Dict[str, str]:

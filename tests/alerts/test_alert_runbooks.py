@@ -62,3 +62,49 @@ def test_runbook_points_at_existing_dashboards_and_panels(rule):
     assert quoted, "no Grafana panel named"
     for q in quoted:
         assert q in panels, f"{rule.name}: no panel titled {q!r} in grafana/dashboards"
+
+
+def test_the_runbook_set_is_the_folder():
+    from mfuwatch.alerts.rules import RUNBOOKS as NAMES
+
+    assert NAMES == {p.stem for p in RUNBOOKS.glob("*.md")}
+
+
+def _links(text: str):
+    return re.findall(r"runbook_url: (\S+)", text)
+
+
+def _resolves(url: str) -> bool:
+    """A runbook link of the default base (``https://github.com/mfuwatch/mfuwatch/blob/main/<path>``) names
+    a file of this repository."""
+    prefix = "https://github.com/mfuwatch/mfuwatch/blob/main/"
+    return url.startswith(prefix) and (REPO / url[len(prefix):]).is_file()
+
+
+def test_every_runbook_link_of_the_shipped_and_custom_rules_resolves():
+    from mfuwatch.alerts import render_prometheus
+    from mfuwatch.alerts.fleet_rules import render_fleet
+
+    # custom rules: one reading a built-in's expression (it links that rule's runbook), one naming its own link
+    cfg = load_config({"notifiers": [], "rules": {
+        "MfuBelowThird": {"expr": "mfu", "op": "<", "threshold": 0.33},
+        "OwnRunbook": {"expr": "mfu", "op": "<", "threshold": 0.1,
+                       "annotations": {"runbook_url": "https://github.com/mfuwatch/mfuwatch/blob/main/docs/alerts.md"}}}})
+    links = {r.name: r.annotations["runbook_url"].render(value=None, labels={}, static=r.static())
+             for r in cfg.rules if "runbook_url" in r.annotations}
+    assert links["MfuBelowThird"].endswith("/docs/runbooks/MfuLow.md")  # was /docs/runbooks/MfuBelowThird.md
+    shipped = [REPO / "grafana" / "prometheus" / "rules" / f for f in ("mfuwatch.rules.yml",
+                                                                        "mfuwatch-fleet.rules.yml")]
+    every = list(links.values()) + _links(render_prometheus(cfg)) + _links(render_fleet())
+    for f in shipped:
+        every += _links(f.read_text())
+    assert len(every) > 2 * len(CFG.rules)
+    assert [u for u in every if not _resolves(u)] == []
+
+
+def test_a_custom_rule_of_an_expression_without_a_runbook_gets_no_link():
+    from mfuwatch.alerts.rules import runbook_for
+
+    assert runbook_for("Custom", "mfu", {"MfuLow": {"expr": "mfu"}}) == "MfuLow"
+    assert runbook_for("Custom", "idle_share", {"MfuLow": {"expr": "mfu"}}) is None
+    assert runbook_for("MfuLow", None, {}) == "MfuLow"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mfuwatch.alerts.fleet_rules import render_fleet
@@ -338,3 +339,42 @@ def test_every_fleet_alert_links_an_existing_runbook_that_names_existing_panels(
             quoted = re.findall(r'"([^"]+)"', text.replace("\n  ", " "))
             assert {"Input-wait share per rank", "Step time per rank"} <= set(quoted) <= panels | {"input_wait"}, \
                 set(quoted) - panels
+
+
+def _edge_series(gauges):
+    """Two busy ranks (60 s of timed steps a minute at 1e13 FLOP/s peak: a capacity of 6e14 FLOPs a minute):
+    rank 0 does 0.4 of it; rank 1's FLOPs counter runs at 2x its capacity, as a job's edge can make two
+    rates extrapolated over different spans read. ``gauges``: each rank's reported mfuwatch_mfu_ratio."""
+    s = []
+    for r, flops in ((0, 2.4e14), (1, 1.2e15)):
+        lab = _rank(r)
+        s.append({"series": f"mfuwatch_model_flops_total{{{lab}}}", "values": f"0+{flops:g}x20"})
+        s.append({"series": f"mfuwatch_step_seconds_total{{{lab}}}", "values": "0+60x20"})
+        s.append({"series": f"mfuwatch_peak_flops_per_second{{{lab}}}", "values": "1e13x20"})
+        s.append({"series": f"mfuwatch_steps_total{{{lab}}}", "values": "0+600x20"})
+        if gauges is not None:
+            s.append({"series": f"mfuwatch_mfu_ratio{{{lab}}}", "values": f"{gauges[r]:g}x20"})
+    return s
+
+
+@pytest.mark.parametrize("gauges, expected", [
+    ((0.4, 0.6), 0.6),  # each rank's FLOPs at most its capacity: (0.4 + 1.0) / 2 = 0.7, then at most the 0.6 reported
+    ((0.4, 0.9), 0.7),  # the ranks report more than 0.7: the capped ratio stands
+    (None, 0.7),  # no rank reports one (withheld as implausible): the capped ratio, never the raw 1.2
+])
+def test_the_job_mfu_cannot_exceed_what_its_ranks_report(tmp_path, gauges, expected):
+    promtool = ensure_binary(("promtool",), "prometheus")
+    rules = tmp_path / "fleet.rules.yml"
+    rules.write_text(render_fleet())
+    test = {"interval": "1m", "input_series": _edge_series(gauges), "promql_expr_test": [
+        {"expr": "round(job:mfuwatch_mfu:ratio, 0.0001)", "eval_time": "10m",
+         "exp_samples": [{"labels": f"{{{L}}}", "value": expected}]},
+        # the uncapped ratio of sums reads 1.2 here: (0.4 + 2.0) / 2
+        {"expr": "round(sum by (job, run) (rate(mfuwatch_model_flops_total[5m])) / sum by (job, run) "
+                 "(rate(mfuwatch_step_seconds_total[5m]) * mfuwatch_peak_flops_per_second), 0.0001)",
+         "eval_time": "10m", "exp_samples": [{"labels": f"{{{L}}}", "value": 1.2}]}]}
+    spec = tmp_path / "edge.test.yml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m", "tests": [test]},
+                                   sort_keys=False, width=10_000))
+    res = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]

@@ -21,6 +21,34 @@ def _module():
     return mod
 
 
+def test_rounds_give_the_median_over_processes_and_the_per_round_spread():
+    gt = _module()
+    # three rounds: base 100, 104, 98 ms (median 100); compile 80, 78, 90 (median 80); graphs-on-compile 79, 80, 88
+    res = {"base": [{"median_ms": v} for v in (100.0, 104.0, 98.0)],
+           "torch_compile": [{"median_ms": v} for v in (80.0, 78.0, 90.0)],
+           "cuda_graphs": [{"median_ms": v} for v in (79.0, 80.0, 88.0)] + [{"error": "timed out"}]}
+    rows = [{"kernel": "torch_compile", "spec": "torch_compile", "ref": "base", "predicted": 0.21},
+            {"kernel": "cuda_graphs", "spec": "cuda_graphs", "ref": "torch_compile", "predicted": 0.0},
+            {"kernel": "rotary", "spec": "rotary", "ref": "base", "predicted": 0.05}]
+    gt.measure(rows, res)
+    c, g, r = rows
+    assert c["measured"] == pytest.approx((100 - 80) / 100) and c["ok"]  # 20% against 21%: within 5 points
+    # per round, against the median base: (100-80)/100, (104-78)/100, (98-90)/100
+    assert c["spread"] == pytest.approx((0.08, 0.26)) and c["rounds"] == 3
+    # graphs on top of compile: medians 80 (compile) - 80 (of 79, 80, 88) = 0; rounds (80-79), (78-80), (90-88) / 100
+    assert g["measured"] == pytest.approx(0.0) and g["spread"] == pytest.approx((-0.02, 0.02)) and g["ok"]
+    assert "measured" not in r and r["error"] == "not run"
+
+
+def test_every_decoder_drop_in_is_measured_even_when_not_suggested():
+    gt = _module()
+    rows = {r["kernel"]: r for r in gt.plan({"combined_gain": None, "suggestions": [
+        {"kernel": "rms_norm", "kind": "bundled", "expected_gain": 0.11, "gain_in_set": 0.11, "covered_by": None}]})}
+    assert set(rows) == {"rms_norm", "rotary", "cross_entropy", "swiglu"}
+    assert rows["swiglu"]["predicted"] == 0.0 and rows["swiglu"]["claim"] == "alone; not suggested"
+    assert rows["swiglu"]["spec"] == "swiglu" and rows["swiglu"]["ref"] == "base"
+
+
 def test_plan_measures_each_fix_graphs_on_top_of_compile_and_the_set():
     gt = _module()
     window = {"combined_gain": 0.33, "suggestions": [
