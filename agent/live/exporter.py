@@ -408,15 +408,16 @@ class Exporter:
         self.url = f"{scheme}://{host}:{actual}/metrics"
         return self.url
 
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self, force: bool = False, now: bool = False) -> None:
         """Render the exposition soon if scrapes read the last render (the agent thread, after a report: at
         most two renders per render interval this way), or always with ``force`` (an event: a notification
-        outcome, a signal); no-op without a server. In process mode the render runs on the publisher thread."""
+        outcome, a signal); no-op without a server. In process mode the render runs on the publisher thread,
+        or with ``force`` and ``now`` on the caller's before this returns."""
         server = self._server
         if server is None:
             return
         if self.mode == "process":
-            server.refresh() if force else server.refresh_if_read()
+            server.refresh(now=now) if force else server.refresh_if_read()
         elif self.cache is not None:
             self.cache.refresh() if force else self.cache.refresh_if_read()
 

@@ -33,8 +33,8 @@ Design (the choices, and why):
   the previous bytes (at most two per interval this way); and at once after an event (a notification
   outcome, a preemption signal) and at :meth:`ProcessServer.close` (a final render before the server
   stops).
-* **Self-monitoring back over its stdout**: ``read V`` (a scrape served version V), ``want`` (fresh
-  bytes wanted), and ``stats {json}`` (requests by status, dropped connections by reason, the child's
+* **Self-monitoring back over its stdout**: ``loaded V`` (it serves version V now), ``read V`` (a
+  scrape served version V), ``want`` (fresh bytes wanted), and ``stats {json}`` (requests by status, dropped connections by reason, the child's
   CPU seconds, the seconds its loop slept for the CPU cap) at most once a second when they changed; the
   exporter serves them as ``mfuwatch_exporter_*`` series (:mod:`.exporter`).
 * **No orphan**: the child exits when its stdin reaches EOF, which happens when the parent closes it
@@ -253,6 +253,7 @@ def _child_main() -> int:
                         with open(body_path, "rb") as f:
                             src.push(f.read(), newest)
                         server.wake()  # parked requests are answered with these bytes
+                        say(f"loaded {newest}")
                     except OSError:
                         pass
             if asks.is_set():
@@ -317,6 +318,9 @@ class ProcessServer:
         self._dir: Optional[str] = None
         self._bound: Optional[Tuple[str, int]] = None
         self._lock = threading.Lock()
+        self._pub_lock = threading.Lock()  # one render + file replace + frame at a time
+        self._loaded = threading.Condition()
+        self._loaded_version = 0  # the newest version the child said it serves
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._wake_r = self._wake_w = -1
@@ -442,8 +446,14 @@ class ProcessServer:
             except OSError:
                 pass
 
-    def refresh(self) -> None:
-        """Render and publish soon (an event: a notification outcome, a signal); on the publisher thread."""
+    def refresh(self, now: bool = False) -> None:
+        """Render and publish soon (an event: a notification outcome, a signal), on the publisher thread; with
+        ``now``, on the caller's thread before returning (the end of the agent's start-up)."""
+        if now and self._thread is not None and not self._stop.is_set():
+            self._publish()
+            with self._loaded:  # until the child serves them (bounded: a stuck child costs 0.5 s once)
+                self._loaded.wait_for(lambda: self._loaded_version >= self.version, timeout=0.5)
+            return
         with self._lock:
             self._force = True
         self._poke()
@@ -492,7 +502,7 @@ class ProcessServer:
     def _send_frame(self) -> None:
         if not self._unsent or self.proc is None:
             return
-        try:
+        try:  # under _pub_lock or on the publisher thread: one frame at a time
             os.write(self.proc.stdin.fileno(), _FRAME.pack(b"B", 8) + struct.pack(">Q", self.version))
             self._unsent = False
         except BlockingIOError:  # the pipe is full (the child is not reading): try again later
@@ -502,8 +512,9 @@ class ProcessServer:
 
     def _publish(self) -> None:
         try:
-            if self._write_body(self._render_now()):
-                self._send_frame()
+            with self._pub_lock:
+                if self._write_body(self._render_now()):
+                    self._send_frame()
         except OSError as exc:
             from .http_server import report_error
 
@@ -529,7 +540,9 @@ class ProcessServer:
                         line, buf = buf.split(b"\n", 1)
                         self._on_line(line.decode("utf-8", "replace"))
                 self._act()
-                self._send_frame()
+                if self._unsent:
+                    with self._pub_lock:
+                        self._send_frame()
             except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
                 from .http_server import report_error
 
@@ -541,6 +554,14 @@ class ProcessServer:
         if kind == "want":
             with self._lock:
                 self._want = True
+        elif kind == "loaded":
+            try:
+                v = int(rest)
+            except ValueError:
+                return
+            with self._loaded:
+                self._loaded_version = max(self._loaded_version, v)
+                self._loaded.notify_all()
         elif kind == "read":
             try:
                 self._read_version = int(rest)
