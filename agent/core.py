@@ -226,9 +226,6 @@ class Agent:
         except Exception as exc:  # noqa: BLE001
             self.errors.count("preemption", exc)
         if self.exporter_url:
-            # every part is registered now: the next scrape serves them (the server child's first bytes were
-            # rendered before the alert engine and the fleet counters existed)
-            self.exporter.refresh(force=True, now=True)
             log.info("mfuwatch: exporting metrics at %s (run=%s rank=%d)", self.exporter_url, cfg.run, cfg.rank)
 
     def _start_otlp(self) -> None:

@@ -187,6 +187,10 @@ class MeasurementCollector(Collector):
 class ServerCollector(Collector):
     """The exporter server's self-monitoring: requests by status, dropped connections by reason, CPU seconds.
 
+    Series: one per status of :data:`~.http_server.STATUSES` (a fixed set), one per drop reason seen (a
+    bounded set: ``over_cap``, ``timeout_<state>``, ``io_<state>``, ``tls_wrap``, ``accept_<errno>``; none
+    in a healthy run), one CPU counter.
+
     ``stats`` returns :meth:`Exporter.server_stats`'s mapping (or ``None`` before the server starts: no
     series). In process mode the counts come from the server child's last stats line (at most a second
     old); the CPU seconds are then the whole child's, in thread mode the loop thread's.
@@ -205,11 +209,14 @@ class ServerCollector(Collector):
         st = self._stats()
         if not st:
             return
+        from .http_server import STATUSES
+
         base = [self.run_info.run, str(self.run_info.rank)]
         c = CounterMetricFamily(M.EXPORTER_REQUESTS_TOTAL, "Requests the exporter's server answered, by HTTP status",
                                 labels=["run", "rank", "code"])
-        for code, n in sorted((st.get("answered") or {}).items()):
-            c.add_metric(base + [str(code)], float(n))
+        answered = {str(k): v for k, v in (st.get("answered") or {}).items()}
+        for code in STATUSES:  # a fixed set of series, 0 until a request gets that status
+            c.add_metric(base + [str(code)], float(answered.get(str(code), 0)))
         yield c
         c = CounterMetricFamily(M.EXPORTER_DROPPED_CONNECTIONS_TOTAL, "Connections the exporter's server dropped "
                                 "(over the connection cap, timeouts, I/O errors)", labels=["run", "rank", "reason"])
@@ -408,18 +415,25 @@ class Exporter:
         self.url = f"{scheme}://{host}:{actual}/metrics"
         return self.url
 
-    def refresh(self, force: bool = False, now: bool = False) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Render the exposition soon if scrapes read the last render (the agent thread, after a report: at
         most two renders per render interval this way), or always with ``force`` (an event: a notification
-        outcome, a signal); no-op without a server. In process mode the render runs on the publisher thread,
-        or with ``force`` and ``now`` on the caller's before this returns."""
+        outcome, a signal); no-op without a server. In process mode the render runs on the publisher thread."""
         server = self._server
         if server is None:
             return
         if self.mode == "process":
-            server.refresh(now=now) if force else server.refresh_if_read()
+            server.refresh() if force else server.refresh_if_read()
         elif self.cache is not None:
             self.cache.refresh() if force else self.cache.refresh_if_read()
+
+    @property
+    def renders(self) -> int:
+        """Renders of the exposition so far (either mode; 0 without a server)."""
+        server = self._server
+        if self.mode == "process" and server is not None:
+            return server.renders
+        return self.cache.renders if self.cache is not None else 0
 
     def server_stats(self) -> Optional[Dict[str, Any]]:
         """The server's self-monitoring counters (``answered``, ``dropped``, ``cpu_seconds``,

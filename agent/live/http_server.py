@@ -213,6 +213,8 @@ class _Conn:
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large"}
+#: every HTTP status the server answers with (``mfuwatch_exporter_requests_total{code}``)
+STATUSES = tuple(sorted(_REASONS))
 
 
 class MetricsServer:

@@ -33,8 +33,7 @@ Design (the choices, and why):
   the previous bytes (at most two per interval this way); and at once after an event (a notification
   outcome, a preemption signal) and at :meth:`ProcessServer.close` (a final render before the server
   stops).
-* **Self-monitoring back over its stdout**: ``loaded V`` (it serves version V now), ``read V`` (a
-  scrape served version V), ``want`` (fresh bytes wanted), and ``stats {json}`` (requests by status, dropped connections by reason, the child's
+* **Self-monitoring back over its stdout**: ``read V`` (a scrape served version V), ``want`` (fresh bytes wanted), and ``stats {json}`` (requests by status, dropped connections by reason, the child's
   CPU seconds, the seconds its loop slept for the CPU cap) at most once a second when they changed; the
   exporter serves them as ``mfuwatch_exporter_*`` series (:mod:`.exporter`).
 * **No orphan**: the child exits when its stdin reaches EOF, which happens when the parent closes it
@@ -107,11 +106,13 @@ class PushedExposition:
         self.version = 0
         self._read_version = -1
 
-    def push(self, body: bytes, version: int) -> None:
-        """New bytes from the parent (the main thread, after reading the body file)."""
+    def push(self, body: bytes, version: int, fresh: bool = True) -> None:
+        """New bytes from the parent (the main thread, after reading the body file). ``fresh=False``: the
+        start-up render, served only when the parent does not answer (the first scrape asks for a render,
+        as the first scrape of the thread server renders)."""
         with self._lock:
             self._body, self._gz, self.version = body, None, version
-            self._at, self._asked_at = self._clock(), None
+            self._at, self._asked_at = (self._clock() if fresh else None), None
 
     def wants_fresh(self, ask: bool = True) -> float:
         with self._lock:
@@ -203,7 +204,7 @@ def _child_main() -> int:
                            max_wait_s=cfg.get("max_wait_s", MAX_WAIT_S))
     try:
         with open(body_path, "rb") as f:
-            src.push(f.read(), 0)
+            src.push(f.read(), 0, fresh=False)
     except OSError:
         pass
     ctx = None
@@ -253,7 +254,6 @@ def _child_main() -> int:
                         with open(body_path, "rb") as f:
                             src.push(f.read(), newest)
                         server.wake()  # parked requests are answered with these bytes
-                        say(f"loaded {newest}")
                     except OSError:
                         pass
             if asks.is_set():
@@ -319,8 +319,6 @@ class ProcessServer:
         self._bound: Optional[Tuple[str, int]] = None
         self._lock = threading.Lock()
         self._pub_lock = threading.Lock()  # one render + file replace + frame at a time
-        self._loaded = threading.Condition()
-        self._loaded_version = 0  # the newest version the child said it serves
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._wake_r = self._wake_w = -1
@@ -352,13 +350,15 @@ class ProcessServer:
         return self.proc.pid if self.proc is not None else None
 
     def start(self) -> "ProcessServer":
-        """Render once, spawn the child, send its settings and wait for its port.
+        """Render once (what the child serves if this process never answers), spawn the child, send its
+        settings and wait for its port.
 
         Raises :class:`ChildUnavailable` or ``OSError`` (see the class docstring)."""
         self._dir = tempfile.mkdtemp(prefix="mfuwatch-exporter-")
         self._settings["dir"] = self._dir
         try:
             self._write_body(self._render_now(initial=True))
+            self._unsent = False  # the child reads this one at start, as not fresh (PushedExposition.push)
             env = dict(os.environ, MFUWATCH_DISABLE="1", PYTHONUNBUFFERED="1")
             try:
                 self.proc = subprocess.Popen([self.python, "-m", "mfuwatch.agent.live.server_process"],
@@ -446,14 +446,8 @@ class ProcessServer:
             except OSError:
                 pass
 
-    def refresh(self, now: bool = False) -> None:
-        """Render and publish soon (an event: a notification outcome, a signal), on the publisher thread; with
-        ``now``, on the caller's thread before returning (the end of the agent's start-up)."""
-        if now and self._thread is not None and not self._stop.is_set():
-            self._publish()
-            with self._loaded:  # until the child serves them (bounded: a stuck child costs 0.5 s once)
-                self._loaded.wait_for(lambda: self._loaded_version >= self.version, timeout=0.5)
-            return
+    def refresh(self) -> None:
+        """Render and publish soon (an event: a notification outcome, a signal), on the publisher thread."""
         with self._lock:
             self._force = True
         self._poke()
@@ -554,14 +548,6 @@ class ProcessServer:
         if kind == "want":
             with self._lock:
                 self._want = True
-        elif kind == "loaded":
-            try:
-                v = int(rest)
-            except ValueError:
-                return
-            with self._loaded:
-                self._loaded_version = max(self._loaded_version, v)
-                self._loaded.notify_all()
         elif kind == "read":
             try:
                 self._read_version = int(rest)
