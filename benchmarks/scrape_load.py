@@ -341,7 +341,8 @@ def main() -> int:
               f"{r['p50_ms']:>8} {r['p99_ms']:>8} {thr:>8} {fds:>9} {sc:>10} {tc:>10}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"scrape_load_{args.server}_{mode_used}_{args.device}.json").write_text(json.dumps(
+    tag = f"_cpu{args.server_cpu}" if args.server_cpu >= 0 and child_pid is not None else ""
+    (out / f"scrape_load_{args.server}_{mode_used}{tag}_{args.device}.json").write_text(json.dumps(
         {"args": vars(args), "mode": mode_used, "pairs": rounds, "results": results}, indent=1))
     return 0
 
