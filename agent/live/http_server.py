@@ -14,7 +14,10 @@ kernels (docs/reliability.md has the measurements). Here:
   not sent a whole request is dropped (a flood of idle sockets cannot lock out a real scraper);
 * the exposition is rendered by :class:`ExpositionCache` at most once per
   ``min_interval_s`` (prometheus-client's ``generate_latest`` on the agent's registry), and the
-  agent thread may refresh it after each report; a scrape copies bytes;
+  agent thread may refresh it after each report; a scrape copies bytes. By default this loop runs in a
+  server child process (:mod:`.server_process`), whose source of bytes is the renders the training
+  process pushes: a request that finds them stale is parked (state ``wait``, off the selector) until
+  fresh bytes arrive or its short wait ends (:meth:`MetricsServer.wake`);
 * the loop's own CPU time is held under ``max_cpu_share`` of wall time (a token bucket on
   ``time.thread_time()``): when clients ask for more, they wait in the kernel's accept and receive
   queues while the loop sleeps with the interpreter lock released, so the training thread's share
