@@ -344,3 +344,37 @@ def test_a_notification_outcome_reaches_the_next_scrape_at_once(mode):
         finally:
             a.close()
             os.environ.pop("MFUWATCH_TEST_REFRESH_HOOK", None)
+
+
+def test_a_forked_child_of_the_agent_does_not_keep_the_server_alive_past_the_parent():
+    """The server child sees EOF when the agent's process dies even while a child forked from it (a DataLoader
+    worker, say) lives on: the fork closes its copy of the pipe (forksafe)."""
+    parent = textwrap.dedent("""
+        import os, sys, time
+        from mfuwatch.agent import Agent
+        a = Agent(config=dict(nvml=False, profile_every="off", alerts=False, flops_per_step=1e9, run="fk", port=0,
+                              progress=False))
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(a.exporter._server.pid, pid, flush=True)
+        time.sleep(120)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    forked = None
+    try:
+        server, forked = map(int, p.stdout.readline().split())
+        assert _alive(server) and _alive(forked)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(5)
+        assert _wait(lambda: not _alive(server), timeout=5.0), "a forked child kept the server child alive"
+        assert _alive(forked)  # it was still running: it is not what ended the server
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if forked is not None:
+            try:
+                os.kill(forked, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
