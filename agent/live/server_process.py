@@ -42,6 +42,8 @@ Design (the choices, and why):
   must not stop the server before the parent's preemption close has rendered its last bytes). A child
   forked from the training process after start closes its copy of the pipe (:func:`.forksafe.protect`),
   so a lingering DataLoader worker does not keep the server alive past its parent.
+* A child that dies (killed, out of memory) is counted (``agent_errors_total{component="exporter"}``) and
+  replaced on the same port, at most :data:`MAX_RESTARTS` times.
 * :meth:`ProcessServer.close` returns within its timeout: the final render is waited for at most half of
   it; then stdin is closed and the child waited for; past the bound it is killed.
 
@@ -76,6 +78,8 @@ _FRAME = struct.Struct(">cI")
 MAX_WAIT_S = 0.5
 #: the child's self-monitoring line goes at most this often (when something changed)
 STATS_EVERY_S = 1.0
+#: times a server child that died is replaced (1, 2, 4 s after it died) before /metrics stays down
+MAX_RESTARTS = 3
 #: signals the server child ignores: it ends when its stdin reaches EOF (see the module docstring)
 _IGNORED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
@@ -336,6 +340,8 @@ class ProcessServer:
         self.renders = 0
         self._stats: Dict[str, Any] = {"answered": {}, "dropped": {}, "cpu_seconds": 0.0, "throttled_seconds": 0.0}
         self._died_reported = False
+        #: server children started again after one died (at most :data:`MAX_RESTARTS`)
+        self.restarts = 0
 
     # ------------------------------------------------------------------ start
     @property
@@ -359,41 +365,45 @@ class ProcessServer:
         try:
             self._write_body(self._render_now(initial=True))
             self._unsent = False  # the child reads this one at start, as not fresh (PushedExposition.push)
-            env = dict(os.environ, MFUWATCH_DISABLE="1", PYTHONUNBUFFERED="1")
-            try:
-                self.proc = subprocess.Popen([self.python, "-m", "mfuwatch.agent.live.server_process"],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
-                                             cwd=self._dir)
-            except (OSError, ValueError) as exc:
-                raise ChildUnavailable(f"cannot start the exporter's server process ({type(exc).__name__}: {exc})") \
-                    from None
-            payload = json.dumps(self._settings).encode()
-            try:
-                os.write(self.proc.stdin.fileno(), _FRAME.pack(b"C", len(payload)) + payload)
-            except OSError as exc:
-                raise ChildUnavailable(f"the exporter's server process exited at start ({exc})") from None
-            line = self._read_first_line()
-            if line.startswith("port "):
-                port = int(line.split()[1])
-            elif line.startswith("error "):
-                _, e, msg = (line.split(" ", 2) + [""])[:3]
-                self._reap(0.5)
-                raise OSError(int(e) if e.isdigit() else 0, f"exporter server process: {msg}")
-            else:
-                raise ChildUnavailable(f"the exporter's server process did not start (answered {line[:200]!r}; "
-                                       f"exit status {self.proc.poll()})")
+            self._bound = (self.host, self._spawn(self.port, self.tries))
         except BaseException:
             self._reap(0.5)
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
-        self._bound = (self.host, port)
-        os.set_blocking(self.proc.stdin.fileno(), False)
-        os.set_blocking(self.proc.stdout.fileno(), False)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="mfuwatch-exporter-publisher", daemon=True)
         self._thread.start()
         return self
+
+    def _spawn(self, port: int, tries: int) -> int:
+        """Start a server child on ``port`` (``tries`` ports from it) and return the port it bound."""
+        env = dict(os.environ, MFUWATCH_DISABLE="1", PYTHONUNBUFFERED="1")
+        try:
+            self.proc = subprocess.Popen([self.python, "-m", "mfuwatch.agent.live.server_process"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
+                                         cwd=self._dir)
+        except (OSError, ValueError) as exc:
+            raise ChildUnavailable(f"cannot start the exporter's server process ({type(exc).__name__}: {exc})") \
+                from None
+        payload = json.dumps(dict(self._settings, port=int(port), tries=int(tries))).encode()
+        try:
+            os.write(self.proc.stdin.fileno(), _FRAME.pack(b"C", len(payload)) + payload)
+        except OSError as exc:
+            raise ChildUnavailable(f"the exporter's server process exited at start ({exc})") from None
+        line = self._read_first_line()
+        if line.startswith("port "):
+            bound = int(line.split()[1])
+        elif line.startswith("error "):
+            _, e, msg = (line.split(" ", 2) + [""])[:3]
+            self._reap(0.5)
+            raise OSError(int(e) if e.isdigit() else 0, f"exporter server process: {msg}")
+        else:
+            raise ChildUnavailable(f"the exporter's server process did not start (answered {line[:200]!r}; "
+                                   f"exit status {self.proc.poll()})")
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        return bound
 
     def _read_first_line(self) -> str:
         fd = self.proc.stdout.fileno()
@@ -529,6 +539,9 @@ class ProcessServer:
                     if not chunk:
                         child_open = False
                         self._child_died()
+                        if self._respawn():
+                            out_fd, buf, child_open = self.proc.stdout.fileno(), getattr(self, "_out_buf", b""), True
+                        continue
                     buf += chunk
                     while b"\n" in buf:
                         line, buf = buf.split(b"\n", 1)
@@ -574,13 +587,41 @@ class ProcessServer:
         if final:
             self._final_done.set()
 
+    def _respawn(self) -> bool:
+        """After the child died: start another on the same port (the URL in run_info and the file-SD target),
+        at most :data:`MAX_RESTARTS` times, 1, 2, 4 s apart. Returns whether one serves again."""
+        while self.restarts < MAX_RESTARTS and not self._stop.is_set():
+            if self._stop.wait(float(2 ** self.restarts)):
+                return False
+            self.restarts += 1
+            self._reap(0.5)  # the dead one
+            try:
+                self._spawn(self._bound[1], 1)
+            except (ChildUnavailable, OSError) as exc:
+                from .http_server import report_error
+
+                report_error(self.on_error, "exporter", exc)
+                continue
+            if self._stop.is_set():  # close() ran meanwhile: this one must not outlive it
+                self._reap(0.5)
+                return False
+            log.warning("mfuwatch: the exporter's server process was restarted on port %d", self._bound[1])
+            self._died_reported = False
+            return True
+        return False
+
     def _child_died(self) -> None:
         if self._died_reported or self._stop.is_set():
             return
         self._died_reported = True
         from .http_server import report_error
 
-        code = self.proc.poll() if self.proc is not None else None
+        code = None
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(timeout=0.5)  # its stdout's EOF comes a moment before its exit status
+            except subprocess.TimeoutExpired:
+                pass
         report_error(self.on_error, "exporter", RuntimeError(
             f"the exporter's server process exited (status {code}); /metrics is not served any more"))
 

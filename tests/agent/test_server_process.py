@@ -378,3 +378,27 @@ def test_a_forked_child_of_the_agent_does_not_keep_the_server_alive_past_the_par
                 os.kill(forked, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_server_child_that_dies_is_counted_and_replaced_on_the_same_port():
+    reg = _registry()
+    errors = []
+    srv = ProcessServer(lambda: generate_latest(reg), "127.0.0.1", 0, min_interval_s=0.0,
+                        on_error=lambda comp, exc: errors.append((comp, str(exc)))).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/metrics"
+        first = srv.pid
+        assert _get(url)[1] == generate_latest(reg)
+        os.kill(first, signal.SIGKILL)  # the OOM killer, say
+        def answers():
+            try:
+                return _get(url, timeout=2)[0] == 200
+            except OSError:  # refused until the new child has bound the port
+                return False
+
+        assert _wait(lambda: srv.restarts == 1 and answers(), timeout=10.0)
+        assert srv.pid != first and _alive(srv.pid)
+        assert _get(url)[1] == generate_latest(reg)  # the same port, the registry's bytes
+        assert [c for c, _ in errors] == ["exporter"] and "exited (status -9)" in errors[0][1]
+    finally:
+        srv.close(1.0)
