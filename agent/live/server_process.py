@@ -84,6 +84,15 @@ MAX_RESTARTS = 3
 _IGNORED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 
+def _readable(fds, timeout: float) -> list:
+    """The descriptors of ``fds`` readable (or at EOF) within ``timeout`` seconds. ``poll``, not ``select``:
+    a training process can hold descriptors numbered past select's 1024."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return [fd for fd, _ev in p.poll(max(0.0, timeout) * 1000.0)]
+
+
 class ChildUnavailable(RuntimeError):
     """The server child could not be started or did not answer (the exporter falls back to the thread server)."""
 
@@ -243,8 +252,7 @@ def _child_main() -> int:
     last_stats, last_sent = None, 0.0
     try:
         while True:
-            r, _, _ = select.select([in_fd], [], [], 0.05)
-            if r:
+            if _readable([in_fd], 0.05):
                 data = os.read(in_fd, 65536)
                 if not data:  # EOF: the parent closed the pipe or died
                     break
@@ -414,8 +422,7 @@ class ProcessServer:
             if left <= 0:
                 raise ChildUnavailable(f"the exporter's server process did not answer within "
                                        f"{self.start_timeout_s:g} s")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
+            if _readable([fd], left):
                 chunk = os.read(fd, 4096)
                 if not chunk:
                     break
@@ -479,7 +486,7 @@ class ProcessServer:
         """CPU seconds of the server child, from its last stats line (at most a second old)."""
         return float(self.stats().get("cpu_seconds", 0.0))
 
-    def _render_now(self, initial: bool = False) -> bytes:
+    def _render_now(self, initial: bool = False) -> Optional[bytes]:
         try:
             body = self._render()
         except Exception as exc:  # noqa: BLE001 - a failing render keeps serving the previous bytes
@@ -531,7 +538,7 @@ class ProcessServer:
         while not self._stop.is_set():
             try:
                 fds = [self._wake_r] + ([out_fd] if child_open else [])
-                r, _, _ = select.select(fds, [], [], 0.5 if not self._unsent else 0.05)
+                r = _readable(fds, 0.5 if not self._unsent else 0.05)
                 if self._wake_r in r:
                     os.read(self._wake_r, 4096)
                 if child_open and out_fd in r:

@@ -402,3 +402,26 @@ def test_a_server_child_that_dies_is_counted_and_replaced_on_the_same_port():
         assert [c for c, _ in errors] == ["exporter"] and "exited (status -9)" in errors[0][1]
     finally:
         srv.close(1.0)
+
+
+def test_descriptors_numbered_past_1024_do_not_matter(served):
+    """A training process can hold more than 1,024 descriptors (NCCL, loaders): the server's pipes then have
+    numbers past select()'s limit; the publisher polls them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1200
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        reg, start = served
+        srv, base = start()
+        assert srv.proc.stdout.fileno() > 1024
+        assert _get(base + "/metrics")[1] == generate_latest(reg)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
