@@ -14,8 +14,9 @@ Design (the choices, and why):
 * **Started with** ``subprocess`` (``sys.executable -m mfuwatch.agent.live.server_process``), never
   ``fork``: CUDA (and NCCL, and the agent's own threads) may be initialised in the parent, and a forked
   copy of such a process is unsafe. The child imports the standard library and :mod:`.http_server` only
-  (no torch, no prometheus-client: the start with its port answer took 0.13-0.16 s on the shared 2-core CPU machine), with ``MFUWATCH_DISABLE=1`` so that ``mfuwatch
-  run``'s bootstrap never attaches an agent to it. It runs at ``nice +10`` and inherits the parent's CPU
+  (no torch, no prometheus-client: from spawn to its port answer 0.13-0.16 s on the shared 2-core CPU
+  machine), with ``MFUWATCH_DISABLE=1`` so that ``mfuwatch run``'s bootstrap never attaches an agent
+  to it. It runs at ``nice +10`` and inherits the parent's CPU
   affinity: where it shares a core with the training thread, the scheduler favours training; its loop
   is still held under ``exporter_max_cpu_share`` of one core.
 * **Settings, secrets included, over its stdin pipe** (one JSON frame; never ``argv`` or the
