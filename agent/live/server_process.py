@@ -207,12 +207,12 @@ def _child_main() -> int:
     from .http_server import Auth, MetricsServer
 
     body_path = os.path.join(cfg["dir"], "body")
-    asks = threading.Event()
+    read_seen = threading.Event()
     reads = [None]
 
     def on_read(v: int) -> None:
         reads[0] = v
-        asks.set()  # wakes nothing itself: the main loop below polls every 0.05 s
+        read_seen.set()  # wakes nothing itself: the main loop below polls every 0.05 s
 
     src = PushedExposition(cfg["min_interval_s"], on_ask=lambda: say("want"), on_read=on_read,
                            max_wait_s=cfg.get("max_wait_s", MAX_WAIT_S))
@@ -269,8 +269,8 @@ def _child_main() -> int:
                         server.wake()  # parked requests are answered with these bytes
                     except OSError:
                         pass
-            if asks.is_set():
-                asks.clear()
+            if read_seen.is_set():
+                read_seen.clear()
                 if reads[0] is not None:
                     say(f"read {reads[0]}")
             now = time.monotonic()
