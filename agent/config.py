@@ -109,7 +109,8 @@ class AgentConfig:
     exporter_read_timeout_seconds: float = 10.0  # Prometheus' default scrape timeout: a request takes at most this
     tls_handshake_timeout_seconds: float = 5.0  # a TLS client that stays silent is dropped after this
     exporter_render_interval_seconds: float = 0.5  # exposition rendered at most 2x a second (and per report)
-    exporter_max_cpu_share: float = 0.03  # the server thread's CPU time at most 3% of wall time, however many clients
+    exporter_max_cpu_share: float = 0.03  # the server loop's CPU time at most 3% of wall time, however many clients
+    exporter_server: str = "process"  # "process": a server child answers scrapes (no GIL time); "thread": in-process
     preemption_signals: Any = field(default_factory=lambda: ["SIGTERM"])  # close, then the previous handler
     preemption_timeout_seconds: float = 2.0  # the close on a signal takes at most this; Slurm/K8s grace is >= 30 s
 

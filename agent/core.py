@@ -165,7 +165,7 @@ class Agent:
                     auth=auth_from_config(cfg.exporter_auth, ConfigError),
                     max_connections=cfg.exporter_max_connections, read_timeout_s=cfg.exporter_read_timeout_seconds,
                     handshake_timeout_s=cfg.tls_handshake_timeout_seconds, max_cpu_share=cfg.exporter_max_cpu_share,
-                    render_interval_s=cfg.exporter_render_interval_seconds)
+                    render_interval_s=cfg.exporter_render_interval_seconds, mode=cfg.exporter_server)
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)
@@ -251,6 +251,8 @@ class Agent:
             self.alerts = AlertEngine.from_config(alerts_cfg, run_info=self.run_info, registry=self.registry,
                                                   on_event=self.reporter.write, on_error=self.errors.count,
                                                   stall_clock=self.stall_clock)
+            # a notification outcome reaches the next scrape at once (issue 28: a scrape after the send saw 0)
+            self.alerts.on_notification = lambda _sink, _outcome: self.exporter.refresh(force=True)
             self.alerts.start()
             self._part("close", self._close_alerts)
             w = self.reporter.wiring

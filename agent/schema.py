@@ -88,6 +88,10 @@ class M:
     IMPLAUSIBLE_RATIO_TOTAL = PREFIX + "implausible_ratio_total"  # {ratio}: MFU/HFU above 1, not exported
     SIGNALS_TOTAL = PREFIX + "signals_total"  # {signal}: preemption signals the agent closed on (agent/live)
     NOTIFICATIONS_TOTAL = PREFIX + "notifications_total"  # {sink,outcome}
+    # the exporter's own server (agent/live/http_server.py, in the server child by default: server_process.py)
+    EXPORTER_REQUESTS_TOTAL = PREFIX + "exporter_requests_total"  # {code}: requests answered, by HTTP status
+    EXPORTER_DROPPED_CONNECTIONS_TOTAL = PREFIX + "exporter_dropped_connections_total"  # {reason}
+    EXPORTER_SERVER_CPU_SECONDS_TOTAL = PREFIX + "exporter_server_cpu_seconds_total"  # child process / loop thread
     ALERTS_FIRING = PREFIX + "alerts_firing"  # {alertname,severity}
     # --- fleet: aggregation-friendly counters, goodput, hangs, stragglers (agent/fleet/accounting.py) ---
     MODEL_FLOPS_TOTAL = PREFIX + "model_flops_total"
@@ -117,6 +121,8 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.IMPLAUSIBLE_RATIO_TOTAL: ("ratio",),  # "mfu" | "hfu" (agent/plausibility.py)
     M.SIGNALS_TOTAL: ("signal",),
     M.NOTIFICATIONS_TOTAL: ("sink", "outcome"),
+    M.EXPORTER_REQUESTS_TOTAL: ("code",),  # 200, 400, 401, 404, 405, 431
+    M.EXPORTER_DROPPED_CONNECTIONS_TOTAL: ("reason",),  # over_cap, timeout_<state>, io_<state>, tls_wrap, accept_*
     M.ALERTS_FIRING: ("alertname", "severity"),
     M.GOODPUT_SECONDS_TOTAL: ("bucket",),  # fleet: the 9 buckets of agent/fleet/goodput.py
     M.HANG_INFO: ("frame", "collective"),  # fleet: at most one series, while a step is stuck

@@ -131,6 +131,10 @@ class AlertEngine:
         self._states: Dict[str, _AlertState] = {
             r.name: _AlertState(r, {"alertname": r.name, "severity": r.severity, **base, **r.labels}) for r in rules}
         self._groups: Dict[Tuple[str, ...], _GroupState] = {}
+        #: ``(sink, outcome) -> None``, called after each notification outcome is counted (on the notifier's
+        #: thread): the agent re-renders its exposition so a scrape sees the count at once (a failing callback
+        #: is counted as an ``on_notification`` error)
+        self.on_notification: Optional[Callable[[str, str], None]] = None
         #: ``() -> mapping or None``: where the training thread waits now (see the class docstring)
         self.stall_probe: Optional[Callable[[], Optional[Mapping[str, Any]]]] = None
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -508,6 +512,12 @@ class AlertEngine:
     # -- bookkeeping ----------------------------------------------------------------------------
     def _count(self, sink: str, outcome: str) -> None:
         self._notifications.labels(self.run_info.run, str(self.run_info.rank), sink, outcome).inc()
+        cb = self.on_notification
+        if cb is not None:
+            try:
+                cb(sink, outcome)
+            except Exception as exc:  # noqa: BLE001 - a listener must not fail the delivery
+                self._error("on_notification", exc)
 
     def _error(self, component: str, exc: BaseException) -> None:
         try:

@@ -5,8 +5,17 @@ The training process runs a step loop with an agent (exporter on) and, pinned to
 wall time of each step. Scrapers run in another process pinned to another CPU (``http.client`` keep-alive
 connections, one thread each, 10 s timeout; "1hz": one request a second each, random phase; "max": back to
 back). Each configuration is measured in paired blocks, ABBA order (no scrapers / scrapers / scrapers / none
-...), each block ``--block-seconds`` of steps; the cost is the median over pairs of
-(median step time with scrapers / median step time without) - 1.
+...), each block ``--block-seconds`` of steps, the configurations interleaved (one pair of each per round,
+``--pairs`` rounds); the cost is the median over pairs of (median step time with scrapers / median step
+time without) - 1, printed with the pairs' min..max. The same ratio of the training thread's CPU time per
+step (``time.thread_time``) is printed too: on a machine shared with other jobs the wall time also
+counts their preemptions, the CPU time does not (but it misses time spent waiting for the interpreter
+lock, which the wall time shows). Also printed: the server's CPU share (the server child's utime+stime
+from /proc in process mode, the loop thread's in thread mode), the training process's CPU share, thread
+and open-descriptor counts (training process + server child).
+
+``--mode process`` (default) serves from the server child process (``exporter_server: process``),
+``--mode thread`` from the in-process event-loop thread.
 
 ``--server prometheus_client`` serves the same registry with ``prometheus_client.start_http_server`` instead
 (what the agent did before #28), for the before/after comparison.
@@ -140,17 +149,57 @@ def pin(cpu: int) -> None:
         pass
 
 
+def _proc_cpu(pid: int) -> float:
+    """utime + stime of process ``pid`` in seconds (/proc/PID/stat), 0.0 where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _proc_threads(pid) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _proc_fds(pid) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
+def _spread(xs: list) -> str:
+    """min..max of a list of ratios, as percentages of cost."""
+    return f"{(min(xs) - 1) * 100:+.1f}..{(max(xs) - 1) * 100:+.1f}%" if xs else "n/a"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--server", default="mfuwatch", choices=["mfuwatch", "prometheus_client"])
+    ap.add_argument("--mode", default="process", choices=["process", "thread"],
+                    help="the agent's exporter_server (mfuwatch server): a server child process or the in-process thread")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--block-seconds", type=float, default=2.0)
+    ap.add_argument("--max-seconds", type=float, default=0.0,
+                    help="start no new round of pairs past this many seconds (0: no limit); the table covers the rounds done")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--train-cpu", type=int, default=0)
     ap.add_argument("--scrape-cpu", type=int, default=1)
+    ap.add_argument("--server-cpu", type=int, default=-1,
+                    help="pin the server child to this CPU (-1: it inherits the training process's affinity, the default "
+                         "behaviour); with the scrapers' CPU, a control that leaves the training core no server work")
     ap.add_argument("--token", default="", help="bearer token the exporter requires (mfuwatch server)")
     ap.add_argument("--scraper", nargs=4, metavar=("N", "MODE", "HOST", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -160,12 +209,13 @@ def main() -> int:
         scraper_main(int(n), mode, host, int(port), args.token)
         return 0
 
+    t_start = time.monotonic()
     pin(args.train_cpu)
     from mfuwatch.agent import Agent
 
     step, tokens = make_step(args.device, args.batch, args.seq)
     cfg = dict(run="scrape-load", nvml=False, profile_every="off", alerts=False, flops_per_step=1e9, port=0,
-               progress=False, exporter=args.server == "mfuwatch")
+               progress=False, exporter=args.server == "mfuwatch", exporter_server=args.mode)
     if args.token:
         os.environ["MFUWATCH_BENCH_TOKEN"] = args.token
         cfg["exporter_auth"] = {"type": "bearer", "token_env": "MFUWATCH_BENCH_TOKEN"}
@@ -173,24 +223,37 @@ def main() -> int:
     legacy = None
     if args.server == "mfuwatch":
         port = int(agent.exporter_url.rsplit(":", 1)[1].split("/")[0])
+        mode_used = agent.exporter.mode
     else:
         from prometheus_client import start_http_server
 
         legacy = start_http_server(0, addr="127.0.0.1", registry=agent.exporter.exposed_registry)
         port = legacy[0].server_address[1]
+        mode_used = "prometheus_client"
+    srv = getattr(agent.exporter, "_server", None)
+    child_pid = getattr(srv, "pid", None) if mode_used == "process" else None
+    if child_pid is not None and args.server_cpu >= 0:
+        os.sched_setaffinity(child_pid, {args.server_cpu % os.cpu_count()})
     for _ in range(50):  # warm-up
         step()
         agent.step(tokens=tokens)
 
-    def block(seconds: float) -> list:
-        times = []
+    def block(seconds: float):
+        """Steps for ``seconds``: (wall times, training-thread CPU times) per step."""
+        walls, cpus = [], []
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             step()
             agent.step(tokens=tokens)
-            times.append(time.perf_counter() - t0)
-        return times
+            cpus.append(time.thread_time() - c0)
+            walls.append(time.perf_counter() - t0)
+        return walls, cpus
+
+    def server_cpu() -> float:
+        if child_pid is not None:
+            return _proc_cpu(child_pid)
+        return srv.cpu_seconds if srv is not None and mode_used == "thread" else 0.0
 
     def scrapers(n: int, mode: str):
         proc = subprocess.Popen([sys.executable, __file__, "--scrape-cpu", str(args.scrape_cpu), "--token",
@@ -200,59 +263,87 @@ def main() -> int:
         time.sleep(0.5 if mode != "1hz" else 1.2)  # all scrapers in their steady state
         return proc
 
-    results = {}
-    for name in filter(None, args.configs.split(",")):
-        n, mode = CONFIGS[name]
-        ratios, base_meds, load_meds, stats = [], [], [], []
-        threads_seen = []
-        cpu_shares: list = []
-        for i in range(args.pairs):
+    names = [c for c in args.configs.split(",") if c]
+    acc = {name: {"ratios": [], "cpu_ratios": [], "base": [], "load": [], "stats": [], "threads": [], "child_threads": [],
+                  "fds": [], "child_fds": [], "server_share": [], "train_share": []} for name in names}
+    rounds = 0
+    for i in range(args.pairs):  # rounds: every configuration once per round (interleaved), ABBA within a pair
+        if args.max_seconds and i and time.monotonic() - t_start > args.max_seconds:
+            break
+        rounds += 1
+        for name in names:
+            n, mode = CONFIGS[name]
+            a = acc[name]
             order = ("base", "load") if i % 2 == 0 else ("load", "base")
             meds = {}
             for kind in order:
                 if kind == "base":
-                    meds[kind] = statistics.median(block(args.block_seconds))
-                else:
-                    proc = scrapers(n, mode)
-                    srv = getattr(agent.exporter, "_server", None)
-                    c0, w0 = (srv.cpu_seconds if srv else 0.0), time.perf_counter()
-                    meds[kind] = statistics.median(block(args.block_seconds))
-                    if srv is not None:
-                        cpu_shares.append((srv.cpu_seconds - c0) / (time.perf_counter() - w0))
-                    threads_seen.append(threading.active_count())
-                    out, _ = proc.communicate(input="", timeout=60)
-                    stats.append(json.loads(out.strip().splitlines()[-1]))
-            ratios.append(meds["load"] / meds["base"])
-            base_meds.append(meds["base"])
-            load_meds.append(meds["load"])
+                    w, c = block(args.block_seconds)
+                    meds[kind] = (statistics.median(w), statistics.median(c))
+                    continue
+                proc = scrapers(n, mode)
+                s0, p0, w0 = server_cpu(), time.process_time(), time.perf_counter()
+                w, c = block(args.block_seconds)
+                dt = time.perf_counter() - w0
+                meds[kind] = (statistics.median(w), statistics.median(c))
+                a["server_share"].append((server_cpu() - s0) / dt)
+                a["train_share"].append((time.process_time() - p0) / dt)
+                a["threads"].append(threading.active_count())
+                a["fds"].append(_proc_fds("self"))
+                if child_pid is not None:
+                    a["child_threads"].append(_proc_threads(child_pid))
+                    a["child_fds"].append(_proc_fds(child_pid))
+                out, _ = proc.communicate(input="", timeout=60)
+                a["stats"].append(json.loads(out.strip().splitlines()[-1]))
+            a["ratios"].append(meds["load"][0] / meds["base"][0])
+            a["cpu_ratios"].append(meds["load"][1] / meds["base"][1])
+            a["base"].append(meds["base"][0])
+            a["load"].append(meds["load"][0])
+            print(f"round {i} {name}: wall ratio {a['ratios'][-1]:.4f} cpu ratio {a['cpu_ratios'][-1]:.4f}", flush=True)
+    results = {}
+    for name in names:
+        a = acc[name]
+        stats = a["stats"]
         ok = sum(s["ok"] for s in stats)
-        failed = sum(s["failed"] for s in stats)
+        med = (lambda xs: round(statistics.median(xs), 4) if xs else None)
         results[name] = {
-            "cost": statistics.median(ratios) - 1.0, "ratios": [round(r, 4) for r in ratios],
-            "base_step_ms": round(statistics.median(base_meds) * 1e3, 3),
-            "load_step_ms": round(statistics.median(load_meds) * 1e3, 3),
-            "scrapes_per_s": round(ok / (args.pairs * args.block_seconds), 1), "failed": failed,
+            "cost": statistics.median(a["ratios"]) - 1.0, "ratios": [round(r, 4) for r in a["ratios"]],
+            "cpu_cost": statistics.median(a["cpu_ratios"]) - 1.0, "cpu_ratios": [round(r, 4) for r in a["cpu_ratios"]],
+            "base_step_ms": round(statistics.median(a["base"]) * 1e3, 3),
+            "load_step_ms": round(statistics.median(a["load"]) * 1e3, 3),
+            "scrapes_per_s": round(ok / (len(stats) * args.block_seconds), 1), "failed": sum(s["failed"] for s in stats),
             "p50_ms": statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]),
             "p99_ms": max([s["p99_ms"] for s in stats if s["p99_ms"] is not None] or [0]),
-            "threads": max(threads_seen),
-            "server_cpu_share": round(statistics.median(cpu_shares), 4) if cpu_shares else None,
+            "threads": max(a["threads"]), "child_threads": max(a["child_threads"]) if a["child_threads"] else None,
+            "fds": max(a["fds"]), "child_fds": max(a["child_fds"]) if a["child_fds"] else None,
+            "server_cpu_share": med(a["server_share"]), "train_process_cpu_share": med(a["train_share"]),
         }
         print(f"{name}: {results[name]}", flush=True)
     agent.close()
     if legacy is not None:
         legacy[0].shutdown()
-    print(f"\nserver={args.server} device={args.device} pairs={args.pairs} block={args.block_seconds}s "
-          f"(training pinned to CPU {args.train_cpu}, scrapers to CPU {args.scrape_cpu})")
-    print(f"{'config':<14} {'step ms (none)':>14} {'step ms (load)':>14} {'cost':>8} {'scrapes/s':>10} "
-          f"{'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'threads':>8} {'server CPU':>10}")
+    print(f"\nserver={args.server} mode={mode_used} device={args.device} pairs={rounds} block={args.block_seconds}s "
+          f"(training pinned to CPU {args.train_cpu}, scrapers to CPU {args.scrape_cpu}; a server child inherits the "
+          f"training process's CPU" + (f", here pinned to CPU {args.server_cpu})" if args.server_cpu >= 0 and child_pid
+                                        else ")"))
+    print("cost: median over pairs of (median step wall time with scrapers / without) - 1, [min..max of the pairs]; "
+          "cpu cost: the same for the training thread's CPU time per step")
+    print(f"{'config':<14} {'step ms none->load':>20} {'cost':>8} {'pairs spread':>16} {'cpu cost':>9} "
+          f"{'scrapes/s':>10} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'threads':>8} {'fds':>9} {'server CPU':>10} "
+          f"{'train CPU':>10}")
     for k, r in results.items():
-        print(f"{k:<14} {r['base_step_ms']:>14} {r['load_step_ms']:>14} {r['cost'] * 100:>7.2f}% "
-              f"{r['scrapes_per_s']:>10} {r['failed']:>7} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['threads']:>8} "
-              + (f"{r['server_cpu_share'] * 100:>9.2f}%" if r['server_cpu_share'] is not None else f"{'n/a':>10}"))
+        thr = f"{r['threads']}" + (f"+{r['child_threads']}" if r["child_threads"] is not None else "")
+        fds = f"{r['fds']}" + (f"+{r['child_fds']}" if r["child_fds"] is not None else "")
+        sc = f"{r['server_cpu_share'] * 100:.2f}%" if r["server_cpu_share"] is not None else "n/a"
+        tc = f"{r['train_process_cpu_share'] * 100:.1f}%" if r["train_process_cpu_share"] is not None else "n/a"
+        print(f"{k:<14} {r['base_step_ms']:>9}->{r['load_step_ms']:<9} {r['cost'] * 100:>7.2f}% "
+              f"{_spread(acc[k]['ratios']):>16} {r['cpu_cost'] * 100:>8.2f}% {r['scrapes_per_s']:>10} {r['failed']:>7} "
+              f"{r['p50_ms']:>8} {r['p99_ms']:>8} {thr:>8} {fds:>9} {sc:>10} {tc:>10}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"scrape_load_{args.server}_{args.device}.json").write_text(json.dumps(
-        {"args": vars(args), "results": results}, indent=1))
+    tag = f"_cpu{args.server_cpu}" if args.server_cpu >= 0 and child_pid is not None else ""
+    (out / f"scrape_load_{args.server}_{mode_used}{tag}_{args.device}.json").write_text(json.dumps(
+        {"args": vars(args), "mode": mode_used, "pairs": rounds, "results": results}, indent=1))
     return 0
 
 

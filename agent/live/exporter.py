@@ -184,6 +184,51 @@ class MeasurementCollector(Collector):
             yield c
 
 
+class ServerCollector(Collector):
+    """The exporter server's self-monitoring: requests by status, dropped connections by reason, CPU seconds.
+
+    Series: one per status of :data:`~.http_server.STATUSES` (a fixed set), one per drop reason seen (a
+    bounded set: ``over_cap``, ``timeout_<state>``, ``io_<state>``, ``tls_wrap``, ``accept_<errno>``; none
+    in a healthy run), one CPU counter.
+
+    ``stats`` returns :meth:`Exporter.server_stats`'s mapping (or ``None`` before the server starts: no
+    series). In process mode the counts come from the server child's last stats line (at most a second
+    old); the CPU seconds are then the whole child's, in thread mode the loop thread's.
+    """
+
+    def __init__(self, run_info: RunInfo, stats: Callable[[], Optional[Dict[str, Any]]]) -> None:
+        self.run_info = run_info
+        self._stats = stats
+
+    def describe(self) -> Iterable[Any]:
+        return []  # registration must not collect (the server starts later)
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        st = self._stats()
+        if not st:
+            return
+        from .http_server import STATUSES
+
+        base = [self.run_info.run, str(self.run_info.rank)]
+        c = CounterMetricFamily(M.EXPORTER_REQUESTS_TOTAL, "Requests the exporter's server answered, by HTTP status",
+                                labels=["run", "rank", "code"])
+        answered = {str(k): v for k, v in (st.get("answered") or {}).items()}
+        for code in STATUSES:  # a fixed set of series, 0 until a request gets that status
+            c.add_metric(base + [str(code)], float(answered.get(str(code), 0)))
+        yield c
+        c = CounterMetricFamily(M.EXPORTER_DROPPED_CONNECTIONS_TOTAL, "Connections the exporter's server dropped "
+                                "(over the connection cap, timeouts, I/O errors)", labels=["run", "rank", "reason"])
+        for why, n in sorted((st.get("dropped") or {}).items()):
+            c.add_metric(base + [str(why)], float(n))
+        yield c
+        c = CounterMetricFamily(M.EXPORTER_SERVER_CPU_SECONDS_TOTAL, "CPU seconds of the exporter's server (the "
+                                "server child process; the loop thread in thread mode)", labels=["run", "rank"])
+        c.add_metric(base, float(st.get("cpu_seconds") or 0.0))
+        yield c
+
+
 class GuardedRegistry:
     """What the HTTP server scrapes: ``registry``'s collectors, each under its own guard.
 
@@ -247,6 +292,7 @@ class Exporter:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.collector = MeasurementCollector(run_info)
         self.registry.register(self.collector)
+        self.registry.register(ServerCollector(run_info, lambda: self.server_stats()))
         lab = ["run", "rank"]
         self.step_hist = Histogram(M.STEP_DURATION_SECONDS, "Optimizer-step time", lab, buckets=STEP_BUCKETS,
                                    registry=self.registry)
@@ -261,6 +307,9 @@ class Exporter:
         self._server = None
         self.cache = None
         self.url = ""
+        #: "process" or "thread" once serving (see :meth:`serve`); times the server child could not start
+        self.mode = ""
+        self.fallbacks = 0
         #: Told ``("collector", exc)`` of a collector that failed during a scrape (the agent's error counter).
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         #: what /metrics serves: the registry, each collector under its own guard (the agent wraps it in a
@@ -292,16 +341,21 @@ class Exporter:
     def serve(self, port: int, bind: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
               tries: int = 100, *, auth: Any = None, max_connections: int = 256, read_timeout_s: float = 10.0,
               handshake_timeout_s: float = 5.0, max_cpu_share: float = 0.03,
-              render_interval_s: float = 0.5) -> str:
-        """Start the HTTP(S) server (:mod:`mfuwatch.agent.live.http_server`) on ``port`` or, if busy, the next
-        free port (up to ``tries`` ports).
+              render_interval_s: float = 0.5, mode: str = "process") -> str:
+        """Start the HTTP(S) server on ``port`` or, if busy, the next free port (up to ``tries`` ports).
 
-        The exposition of :attr:`exposed_registry` is rendered at most every ``render_interval_s`` seconds
-        (and by :meth:`refresh`) and served as bytes; ``auth`` is an
-        :class:`~mfuwatch.agent.live.http_server.Auth` or ``None``; the other arguments bound what a client
-        can hold (see :class:`~mfuwatch.agent.live.http_server.MetricsServer`).
+        ``mode="process"`` (the default): a server child process
+        (:class:`~mfuwatch.agent.live.server_process.ProcessServer`) answers every request, and this
+        process only renders the exposition of :attr:`exposed_registry` (at most every
+        ``render_interval_s`` seconds while scraped, after reports and events) on a publisher thread;
+        when the child cannot start, the in-process server is used instead (counted as
+        ``agent_errors_total{component="exporter_process"}``, logged once). ``mode="thread"``: the
+        in-process event-loop thread (:class:`~mfuwatch.agent.live.http_server.MetricsServer`). ``auth``
+        is an :class:`~mfuwatch.agent.live.http_server.Auth` or ``None``; the other arguments bound what
+        a client can hold (see :class:`~mfuwatch.agent.live.http_server.MetricsServer`).
 
-        Returns the URL of ``/metrics``. Raises ``OSError`` if no port in the range is free.
+        Returns the URL of ``/metrics``. Raises ``OSError`` if no port in the range is free, and
+        ``ssl.SSLError`` (an ``OSError``) if the certificate or key does not load.
         """
         import ssl
 
@@ -312,9 +366,28 @@ class Exporter:
         ctx = None
         if certfile:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            ctx.load_cert_chain(certfile, keyfile)
-        self.cache = ExpositionCache(lambda: generate_latest(self.exposed_registry), render_interval_s,
-                                     on_error=self._on_error)
+            ctx.load_cert_chain(certfile, keyfile)  # here, so a bad file fails as before in both modes
+
+        def render() -> bytes:
+            return generate_latest(self.exposed_registry)
+
+        if mode == "process":
+            from .server_process import ChildUnavailable, ProcessServer
+
+            server = ProcessServer(render, bind, port, tries=1 if port == 0 else tries, certfile=certfile,
+                                   keyfile=keyfile, auth=auth, min_interval_s=render_interval_s,
+                                   max_connections=max_connections, read_timeout_s=read_timeout_s,
+                                   handshake_timeout_s=handshake_timeout_s, max_cpu_share=max_cpu_share,
+                                   on_error=self._on_error)
+            try:
+                server.start()
+            except ChildUnavailable as exc:
+                self.fallbacks += 1
+                self._on_error("exporter_process", exc)  # counted, logged once; the thread server serves
+            else:
+                self._server, self.mode = server, "process"
+                return self._set_url(port, server.server_address[1], bind, certfile)
+        self.cache = ExpositionCache(render, render_interval_s, on_error=self._on_error)
         last: Optional[OSError] = None
         candidates = [0] if port == 0 else range(port, min(port + tries, 65536))
         for p in candidates:
@@ -328,27 +401,45 @@ class Exporter:
                     raise
                 last = exc
                 continue
-            self._server = server
-            actual = server.server_address[1]
-            if port and actual != port:
-                log.warning("mfuwatch: port %d is busy; the exporter serves on port %d instead", port, actual)
-            scheme = "https" if certfile else "http"
-            host = bind if bind not in ("0.0.0.0", "::", "") else "127.0.0.1"
-            if ":" in host:
-                host = f"[{host}]"
-            self.url = f"{scheme}://{host}:{actual}/metrics"
-            return self.url
+            self._server, self.mode = server, "thread"
+            return self._set_url(port, server.server_address[1], bind, certfile)
         raise OSError(errno.EADDRINUSE, f"no free port in {port}..{port + tries - 1} for the mfuwatch exporter") from last
 
+    def _set_url(self, port: int, actual: int, bind: str, certfile: Optional[str]) -> str:
+        if port and actual != port:
+            log.warning("mfuwatch: port %d is busy; the exporter serves on port %d instead", port, actual)
+        scheme = "https" if certfile else "http"
+        host = bind if bind not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        self.url = f"{scheme}://{host}:{actual}/metrics"
+        return self.url
+
     def refresh(self, force: bool = False) -> None:
-        """Render the exposition now if scrapes read the last render (the agent thread, after a report), or
-        always with ``force``; no-op without a server. At most two renders per render interval this way."""
-        cache = getattr(self, "cache", None)
-        if cache is not None and self._server is not None:
-            if force:
-                cache.refresh()
-            else:
-                cache.refresh_if_read()
+        """Render the exposition soon if scrapes read the last render (the agent thread, after a report: at
+        most two renders per render interval this way), or always with ``force`` (an event: a notification
+        outcome, a signal); no-op without a server. In process mode the render runs on the publisher thread."""
+        server = self._server
+        if server is None:
+            return
+        if self.mode == "process":
+            server.refresh() if force else server.refresh_if_read()
+        elif self.cache is not None:
+            self.cache.refresh() if force else self.cache.refresh_if_read()
+
+    @property
+    def renders(self) -> int:
+        """Renders of the exposition so far (either mode; 0 without a server)."""
+        server = self._server
+        if self.mode == "process" and server is not None:
+            return server.renders
+        return self.cache.renders if self.cache is not None else 0
+
+    def server_stats(self) -> Optional[Dict[str, Any]]:
+        """The server's self-monitoring counters (``answered``, ``dropped``, ``cpu_seconds``,
+        ``throttled_seconds``; see :meth:`~mfuwatch.agent.live.http_server.MetricsServer.stats`), or ``None``."""
+        server = self._server
+        return server.stats() if server is not None else None
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the server's sockets without stopping the parent's server."""
@@ -357,7 +448,11 @@ class Exporter:
             server.forget_after_fork()
 
     def close(self, timeout: float = 1.0) -> None:
-        """Stop the HTTP server; returns within ``timeout`` seconds whatever the clients do. Idempotent."""
+        """A final render (scrapes during the rest of the close see the final counts), then stop the HTTP
+        server; returns within ``timeout`` seconds whatever the clients do. Idempotent."""
         server, self._server = self._server, None
-        if server is not None:
-            server.close(timeout)
+        if server is None:
+            return
+        if self.mode == "thread" and self.cache is not None:
+            self.cache.refresh()
+        server.close(timeout)  # the process server renders its final bytes itself (within its bound)

@@ -14,7 +14,10 @@ kernels (docs/reliability.md has the measurements). Here:
   not sent a whole request is dropped (a flood of idle sockets cannot lock out a real scraper);
 * the exposition is rendered by :class:`ExpositionCache` at most once per
   ``min_interval_s`` (prometheus-client's ``generate_latest`` on the agent's registry), and the
-  agent thread may refresh it after each report; a scrape copies bytes;
+  agent thread may refresh it after each report; a scrape copies bytes. By default this loop runs in a
+  server child process (:mod:`.server_process`), whose source of bytes is the renders the training
+  process pushes: a request that finds them stale is parked (state ``wait``, off the selector) until
+  fresh bytes arrive or its short wait ends (:meth:`MetricsServer.wake`);
 * the loop's own CPU time is held under ``max_cpu_share`` of wall time (a token bucket on
   ``time.thread_time()``): when clients ask for more, they wait in the kernel's accept and receive
   queues while the loop sleeps with the interpreter lock released, so the training thread's share
@@ -196,7 +199,7 @@ def filter_exposition(text: bytes, names: Sequence[str]) -> bytes:
 
 
 class _Conn:
-    __slots__ = ("sock", "state", "buf", "out", "deadline", "opened", "keep_alive", "served", "events")
+    __slots__ = ("sock", "state", "buf", "out", "deadline", "opened", "keep_alive", "served", "events", "pending")
 
     def __init__(self, sock, state: str, deadline: float, opened: float) -> None:
         self.sock = sock
@@ -208,10 +211,13 @@ class _Conn:
         self.keep_alive = False
         self.served = 0
         self.events = 1  # selectors.EVENT_READ: what the selector waits for on this socket
+        self.pending: Optional[tuple] = None  # state "wait": (names, gzipped, head, keep) of the parked answer
 
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large"}
+#: every HTTP status the server answers with (``mfuwatch_exporter_requests_total{code}``)
+STATUSES = tuple(sorted(_REASONS))
 
 
 class MetricsServer:
@@ -251,6 +257,8 @@ class MetricsServer:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._conns: Dict[int, _Conn] = {}
+        self._waiting: List[_Conn] = []  # requests parked until fresher bytes arrive (a source with wants_fresh)
+        self._wants_fresh = getattr(cache, "wants_fresh", None)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         #: counters for tests and diagnostics: requests answered by status, connections dropped by reason
@@ -333,6 +341,20 @@ class MetricsServer:
         """Connections open now."""
         return len(self._conns)
 
+    def wake(self) -> None:
+        """Make the loop look at its source again now (new bytes arrived: answer the parked requests). Any thread."""
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"w")
+            except OSError:
+                pass
+
+    def stats(self) -> Dict[str, object]:
+        """The server's self-monitoring counters (copies): ``answered`` {status: requests}, ``dropped``
+        {reason: connections}, ``cpu_seconds`` of the loop thread, ``throttled_seconds`` it slept for the cap."""
+        return {"answered": dict(self.answered), "dropped": dict(self.dropped), "cpu_seconds": self.cpu_seconds,
+                "throttled_seconds": self.throttled_seconds}
+
     # ------------------------------------------------------------------ the loop thread
     def _count_drop(self, why: str) -> None:
         self.dropped[why] = self.dropped.get(why, 0) + 1
@@ -359,9 +381,11 @@ class MetricsServer:
                     else:
                         self._service(key.data, mask)
                 now = time.monotonic()
+                if self._waiting:
+                    self._answer_waiting(now)
                 if now - last_sweep >= 0.1 or not events:
                     last_sweep = now
-                    for c in [c for c in self._conns.values() if c.deadline <= now]:
+                    for c in [c for c in self._conns.values() if c.deadline <= now and c.state != "wait"]:
                         self._count_drop("timeout_" + c.state)
                         self._drop(c)
                 # hold the loop's CPU time under max_cpu_share of wall time
@@ -380,6 +404,7 @@ class MetricsServer:
         self._close_all()
 
     def _close_all(self) -> None:
+        self._waiting = []
         for c in list(self._conns.values()):
             self._drop(c)
         sel, self._sel = self._sel, None
@@ -426,7 +451,7 @@ class MetricsServer:
 
     def _evict_one(self) -> None:
         """Drop the oldest connection that has no whole request (else the oldest of all)."""
-        idle = [c for c in self._conns.values() if c.state != "write"]
+        idle = [c for c in self._conns.values() if c.state not in ("write", "wait")]
         victim = min(idle or self._conns.values(), key=lambda c: c.opened)
         self._count_drop("over_cap")
         self._drop(victim)
@@ -548,10 +573,45 @@ class MetricsServer:
             return
         names = parse_qs(query).get("name[]") if query else None
         gz = b"gzip" in headers.get(b"accept-encoding", b"") and not names
+        wait_s = self._wants_fresh() if self._wants_fresh is not None else 0.0
+        if wait_s > 0:  # the source is stale and fresher bytes are on their way: park the answer
+            c.pending = (names, gz, method == b"HEAD", keep)
+            c.state, c.deadline = "wait", time.monotonic() + wait_s
+            try:
+                self._sel.unregister(c.sock)  # nothing to read or write until answered (level-triggered epoll)
+            except (KeyError, ValueError, OSError):
+                pass
+            c.events = 0
+            self._waiting.append(c)
+            return
+        self._serve(c, names, gz, method == b"HEAD", keep)
+
+    def _serve(self, c: _Conn, names, gz: bool, head: bool, keep: bool) -> None:
         body = self.cache.get(gzipped=gz)
         if names:
             body = filter_exposition(body, names)
-        self._answer(c, 200, body, close=not keep, gzipped=gz, head=method == b"HEAD")
+        self._answer(c, 200, body, close=not keep, gzipped=gz, head=head)
+
+    def _answer_waiting(self, now: float) -> None:
+        """Answer the parked requests once the source is fresh again or their wait is over."""
+        fresh = self._wants_fresh is None or self._wants_fresh(ask=False) <= 0
+        still = []
+        for c in self._waiting:
+            if c.sock.fileno() < 0 or self._conns.get(c.sock.fileno()) is not c:
+                continue  # dropped meanwhile (over the cap, closed)
+            if not fresh and c.deadline > now:
+                still.append(c)
+                continue
+            try:
+                self._sel.register(c.sock, selectors.EVENT_READ, c)
+                c.events = selectors.EVENT_READ
+                names, gz, head, keep = c.pending
+                c.pending = None
+                self._serve(c, names, gz, head, keep)
+            except (ssl.SSLError, OSError, ValueError, KeyError):
+                self._count_drop("io_wait")
+                self._drop(c)
+        self._waiting = still
 
     def _answer(self, c: _Conn, status: int, body: bytes, *, close: bool, gzipped: bool = False,
                 head: bool = False, extra: bytes = b"") -> None:

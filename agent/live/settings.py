@@ -9,7 +9,10 @@ Fields (on :class:`~mfuwatch.agent.config.AgentConfig`):
 ``exporter_read_timeout_seconds``    a request must arrive (and its answer be taken) within this (> 0)
 ``tls_handshake_timeout_seconds``    a TLS handshake must end within this (> 0)
 ``exporter_render_interval_seconds`` the exposition is rendered at most this often (>= 0)
-``exporter_max_cpu_share``           the server thread's CPU time per wall second, at most (0 < x <= 1)
+``exporter_max_cpu_share``           the server loop's CPU time per wall second, at most (0 < x <= 1)
+``exporter_server``                  where requests are answered: ``process`` (default: a server child process,
+                                     :mod:`.server_process`) or ``thread`` (in the training process); accepted:
+                                     :data:`EXPORTER_SERVERS`
 ``preemption_signals``               signal names that close the agent before their previous handler runs
                                      (``[]`` = none); accepted: :data:`PREEMPTION_SIGNALS`
 ``preemption_timeout_seconds``       the bound on that close (> 0)
@@ -26,6 +29,8 @@ from typing import Any, Optional, Type
 #: Kubernetes, torchrun), SIGHUP (a lost terminal, some batch systems), SIGUSR1/SIGUSR2 (Slurm's
 #: ``--signal``, LSF, SGE warnings). SIGINT is left to Python's KeyboardInterrupt (the agent closes then).
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+#: accepted values of ``exporter_server``
+EXPORTER_SERVERS = ("process", "thread")
 
 _AUTH_KEYS = {"bearer": {"type", "token_env", "token_file"},
               "basic": {"type", "username", "password_env", "password_file"}}
@@ -59,6 +64,10 @@ def validate_live(cfg: Any, error: Type[Exception]) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1):
         raise error(f"exporter_max_cpu_share: expected a number in (0, 1] (share of one core), got {v!r}")
     cfg.exporter_max_cpu_share = float(v)
+    v = cfg.exporter_server
+    if not isinstance(v, str) or v.strip().lower() not in EXPORTER_SERVERS:
+        raise error(f"exporter_server: expected one of {', '.join(EXPORTER_SERVERS)}, got {v!r}")
+    cfg.exporter_server = v.strip().lower()
     sigs = cfg.preemption_signals
     if sigs in (None, False):
         sigs = []

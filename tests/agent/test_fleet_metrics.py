@@ -72,6 +72,8 @@ def budget(top_k: int, suggestions: int, reasons: int) -> int:
         + 2 * 2  # implausible_ratio_total{ratio="mfu"|"hfu"} (+ _created): at 0 from the start
         + len(CATEGORIES) + 1 + top_k + suggestions + 2  # window: breakdown, memory-bound, ops, gains, 2 gauges
         + 11 + 1 + reasons + 1 + 2  # NVML gauges, energy counter, clock reasons, xid, ecc{type}
+        + 6 + 1  # exporter_requests_total{code} of 200, 400, 401, 404, 405, 431; exporter_server_cpu_seconds_total
+        # (exporter_dropped_connections_total{reason}: none in a healthy run)
     )
 
 
@@ -120,7 +122,8 @@ def test_series_per_rank_stay_within_the_documented_budget():
                 values[(name, k)].add(v)
     bounds = {"category": len(CATEGORIES), "op": TOP_K, "bound": 4, "kernel": SUGGESTIONS, "bucket": len(BUCKETS),
               "reason": len(CLOCK_EVENT_REASONS), "type": 2, "le": 23, "frame": 1, "collective": 1,
-              "ratio": 2}  # implausible_ratio_total: mfu, hfu
+              "ratio": 2,  # implausible_ratio_total: mfu, hfu
+              "code": 6}  # exporter_requests_total: the server's 6 statuses
     for (name, label), vals in values.items():
         if name == "mfuwatch_run_info":
             continue  # one series whatever its labels hold

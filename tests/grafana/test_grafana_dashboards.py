@@ -49,6 +49,9 @@ NOT_ON_DASHBOARDS = {
     M.INTERVAL_TENSOR_ACTIVE_BOUND: "read by MfuAboveTensorActivity / MfuFarBelowTensorActivity",
     M.INTERVAL_SM_ACTIVE: "the live SM activity is on the GPU-health dashboard",
     M.INTERVAL_DRAM_ACTIVE: "the live DRAM activity is on the GPU-health dashboard",
+    M.EXPORTER_REQUESTS_TOTAL: "exporter self-monitoring (scrapes answered by status); read when a scrape fails",
+    M.EXPORTER_DROPPED_CONNECTIONS_TOTAL: "exporter self-monitoring; 0 unless clients misbehave (cap, timeouts)",
+    M.EXPORTER_SERVER_CPU_SECONDS_TOTAL: "exporter self-monitoring; bounded by exporter_max_cpu_share",
 }
 #: Series recorded by the fleet rules (grafana/prometheus/rules/mfuwatch-fleet.rules.yml) the dashboards read.
 RECORDED = {r["record"] for r in recording_rules(FleetRuleConfig())}
