@@ -6,8 +6,9 @@ Issue 24 (gains that come true): on Qwen3 the rotary drop-in saves more than the
 ``mfuwatch.kernels.patch(model, kernels=["rotary"])``), built by ``gain_truth.build`` from the same weights and
 batch, each: ``--warmup`` steps, ``--steps`` synchronized timed steps (median ms/step), then a profiler window of
 ``--active`` steps (CPU + CUDA, ``record_shapes=True``, as the agent's sampler records one) whose trace is kept.
-The processes start together (imports and model builds overlap) and take a file lock for their GPU phase, so
-one is on the GPU at a time.
+The processes start together (imports and model builds overlap) and take a file lock before building the model,
+so one is on the GPU at a time (run 1 took it after the first step: Llama's base window overlapped another
+process's first step, docs/gpu-runs/rotary_gain-run1.md).
 
 Each kernel is attributed to the autograd node (``autograd::engine::evaluate_function: X``) or forward top-level
 op that launched it. The parent prints, per kernel name (shortened: the kernel template and its functor, with
@@ -116,6 +117,12 @@ def child(args) -> dict:
     from _hf_step import time_steps, train_step
     from gain_truth import build
 
+    lock = os.environ.get("ROTARY_GAIN_LOCK")
+    if lock:  # all GPU work under the lock (the build's init kernels too): only the imports overlap
+        import fcntl
+
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the process exits
     model, ids = build(model_name, args.tiny, dev)
     swapped = ""
     if config == "rotary":
@@ -130,15 +137,7 @@ def child(args) -> dict:
     autocast = torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda")
     step = train_step(model, ids, opt, autocast)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    first = float(step().detach())  # the first step (Triton compiles) before the lock
-    sync()
-    lock = os.environ.get("ROTARY_GAIN_LOCK")
-    if lock:
-        import fcntl
-
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when the process exits
-    _, _, times = time_steps(step, sync, args.warmup, args.steps)
+    first, _, times = time_steps(step, sync, args.warmup, args.steps)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     raw = os.path.join(tempfile.mkdtemp(prefix="rotary_gain_"), "trace.json")
     with profile(activities=acts, record_shapes=True, schedule=schedule(wait=0, warmup=1, active=args.active, repeat=1),

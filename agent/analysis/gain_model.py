@@ -19,6 +19,11 @@
   than running them. Graphs recover that excess per region, ``max(0, H − G)``, and nothing outside the
   compiled region (``mode="reduce-overhead"`` captures only the compiled graphs: the optimizer step, the
   data loader, syncs stay as they are).
+* :func:`eager_grad_layout` and :func:`relayout_credit`: a drop-in whose backward returns the input gradients
+  in the inputs' layout (the rotary) also speeds up the backward ops that eager's gradient reached in
+  another layout: from the anchor's recorded strides, the layout those ops see; each strided elementwise op
+  of that input is credited its time less one contiguous pass over its bytes (H200 Qwen3: the q/k norms'
+  backward and the view copies, 1.48 ms/step, docs/gpu-runs/rotary_gain-run1.md).
 * :func:`combine`: the set of suggestions a window proposes and their combined gain, Amdahl over
   disjoint op time: a suggestion's gain *in the set* counts only the time of ops no earlier member
   already claimed; one left with under ``min_gain`` is shown as covered by the member that claimed

@@ -10,7 +10,10 @@ where the replacement needs ``minimal bytes / bandwidth`` (``bandwidth`` from
 :meth:`Window.bandwidth`: calibrated, else achieved by the window's large streaming ops),
 or at least ``FLOPs / peak`` when it keeps the ops' FLOPs (attention, autocast). The
 matched time includes the backward ops autograd ran for the matched forward ops (linked
-by the ``Sequence number`` the profiler records on both). Remedies whose gain is below
+by the ``Sequence number`` the profiler records on both), and those of the remedy's ``views`` inside the
+pattern (rotate_half's slices); a remedy with ``returns_input_layout`` is also credited the strided kernels
+eager's gradient layout forced on the backward ops upstream of it (:func:`_relayout`,
+:func:`.gain_model.relayout_credit`). Remedies whose gain is below
 :data:`MIN_GAIN` are dropped; the rest are ranked existing fixes first, then bundled
 kernels, each by gain. The drop-ins reach the bandwidth fraction they were measured at
 (:func:`.gain_model.replacement_efficiency`); CUDA graphs gain only the idle gaps in which the GPU
