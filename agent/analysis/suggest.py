@@ -423,7 +423,10 @@ def _relayout(ctx: _Context, r, matches: List[_Match], bw: float) -> List[_Match
 
     The trace records no tensor identities: another gradient of the same shape and layout (v's beside k's
     when they have as many heads) is counted too (docs/analyze.md gives the size on Qwen3 and Llama).
-    Returns one match (no claimed ops; ``relayout`` per backward node) or none.
+    Returns one match (no claimed ops; ``relayout``: µs saved per backward node, its ``time_us`` their sum and
+    its replacement 0: the suggestion's time counts what the relayout saves, not those ops' whole time) or
+    none. ``r.anchor_arg`` of each match's first claimed op is the anchor (remedies with this flag have no
+    ``anchor_op``).
     """
     ix, w = ctx.ix, ctx.w
     layouts = set()
@@ -455,7 +458,6 @@ def _relayout(ctx: _Context, r, matches: List[_Match], bw: float) -> List[_Match
         if not names[ix.k_name[k]].startswith(_STRIDED_KERNEL):
             acc[1] = 0.0
     credit: Dict[int, float] = {}
-    time_us = kept_us = 0.0
     for op, (us, strided) in per_op.items():
         sid = ix.op_sig[op]
         s = ix.sigs[sid] if sid >= 0 else None
@@ -472,11 +474,10 @@ def _relayout(ctx: _Context, r, matches: List[_Match], bw: float) -> List[_Match
             continue
         t = ix.op_top[op]
         credit[t] = credit.get(t, 0.0) + saved
-        time_us += us
-        kept_us += us - saved
     if not credit:
         return []
-    return [_Match(time_us=time_us, replace_s=kept_us * 1e-6, min_bytes=kept_us * 1e-6 * bw, relayout=credit)]
+    # the ops stay: only what they save counts as the remedy's time (replacement 0), not their whole time
+    return [_Match(time_us=sum(credit.values()), replace_s=0.0, min_bytes=0.0, relayout=credit)]
 
 
 def _anchor(ctx: _Context, r, tops: List[int]) -> Optional[Tuple[int, int, int]]:
