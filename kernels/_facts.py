@@ -68,6 +68,8 @@ class Remedy:
     passes_forward: float = 2.0
     passes_backward: float = 3.0
     keeps_flops: bool = False
+    views: Tuple[str, ...] = ()  # view ops inside the pattern whose backward the replacement also removes
+    returns_input_layout: bool = False  # the replacement's backward writes input gradients in the inputs' layout
     note: str = ""
 
     def __post_init__(self) -> None:

@@ -25,7 +25,14 @@ How an entry finds its ops (first that applies):
   ``gap`` lets that many unrelated ops sit before the step (they are not counted: in
   ``silu(gate(x)) * up(x)`` the ``up`` matmul runs between ``silu`` and ``mul``); with
   ``claim=False`` a step is matched but its time is not the remedy's. The backward ops
-  autograd ran for the claimed ops (same ``Sequence number``) are claimed too.
+  autograd ran for the claimed ops (same ``Sequence number``) are claimed too, and so are those of the
+  top-level ``views`` ops (names) that sit between the first and the last claimed op: a view launches
+  nothing in the forward, so it is not in the op stream, but its backward can (``rotate_half``'s slices:
+  ``SliceBackward0`` zero-fills a buffer, copies the gradient into it and adds the two halves).
+  ``returns_input_layout`` marks a replacement whose backward writes the input gradients in the forward
+  inputs' layout: when the anchor input is a permuted view (a transposed projection), the eager backward
+  hands back a gradient of another layout, and the strided kernels it forces on the backward ops that
+  receive it are credited to the remedy too (:func:`mfuwatch.agent.analysis.gain_model.relayout_credit`).
 * ``region``: all ops inside a ``user_annotation`` whose name matches the regex
   (``Optimizer.step#AdamW.step``), unless one of them is in ``exclude`` (already fixed).
 * ``detector``: a rule computed by the agent: ``"pointwise_chain"`` (runs of

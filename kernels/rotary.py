@@ -83,6 +83,12 @@ FACTS = KernelFacts(
         replaces="x * cos + cat(-x2, x1) * sin (Hugging Face apply_rotary_pos_emb, once for q and once for k)",
         sequence=(Step(aten("mul")), Step(aten("neg")), Step(aten("cat")), Step(aten("mul")), Step(aten("add"))),
         anchor_arg=0,
+        # rotate_half's x[..., :h] and x[..., h:] are views (nothing launched in the forward); their backward
+        # (SliceBackward0: zero-fill, copy, add of the two halves) is eager's, gone with the drop-in
+        views=aten("slice"),
+        # RotaryFunction.backward writes dq, dk in q's and k's forward strides (ctx.layouts), where eager's come
+        # back contiguous in (B, H, T, D): slice_backward's zero-filled buffers, accumulated into
+        returns_input_layout=True,
         note="anchor = q or k (B, H, T, D); bytes from mfuwatch.kernels.traffic: forward reads x and writes "
              "x_embed, backward reads the gradient and writes dx (cos/sin, shared by all heads, left out)",
     ),

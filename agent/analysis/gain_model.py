@@ -19,6 +19,11 @@
   than running them. Graphs recover that excess per region, ``max(0, H − G)``, and nothing outside the
   compiled region (``mode="reduce-overhead"`` captures only the compiled graphs: the optimizer step, the
   data loader, syncs stay as they are).
+* :func:`eager_grad_layout` and :func:`relayout_credit`: a drop-in whose backward returns the input gradients
+  in the inputs' layout (the rotary) also speeds up the backward ops that eager's gradient reached in
+  another layout: from the anchor's recorded strides, the layout those ops see; each strided elementwise op
+  of that input is credited its time less one contiguous pass over its bytes (H200 Qwen3: the q/k norms'
+  backward and the view copies, 1.48 ms/step, docs/gpu-runs/rotary_gain-run1.md).
 * :func:`combine`: the set of suggestions a window proposes and their combined gain, Amdahl over
   disjoint op time: a suggestion's gain *in the set* counts only the time of ops no earlier member
   already claimed; one left with under ``min_gain`` is shown as covered by the member that claimed
@@ -30,7 +35,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: Fraction of the measured bandwidth each bundled kernel reached, forward + backward, by element count
 #: (rows × hidden) of its input: docs/gpu-runs/kernels-run8.md, "Timing — CUDA-graph replay" table (H200,
@@ -193,3 +198,57 @@ def combine(claims: Sequence[Claim], min_gain: float) -> Tuple[Dict[str, float],
             owner.setdefault(key, c.kernel)
     combined = sum(g for k, g in in_set.items() if k not in covered and g >= min_gain)
     return in_set, covered, min(combined, 1.0)
+
+
+def eager_grad_layout(dims: Sequence[int], strides: Sequence[int]) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """The (dims, strides) in which the backward ops upstream of a permuted view see a gradient that comes
+    back contiguous in the view's own dim order, or None when the view is not a permuted dense tensor.
+
+    A rotary input ``q = base.transpose(1, 2)`` (``base`` (B, T, H, D) contiguous, e.g. a projection or its
+    q-norm's output) has ``dims`` (B, H, T, D) and strides (T·H·D, D, H·D, 1). In the H200 traces (torch
+    2.11, docs/gpu-runs/rotary_gain-run1.md) eager ``rotate_half``'s gradient for q is accumulated into
+    ``slice_backward``'s buffers (``zeros(q.shape)``, contiguous in (B, H, T, D)): the autograd engine adds the
+    ``q * cos`` gradient into them in place. Seen by ``base``'s backward (in ``base``'s dim order: ``q``'s
+    dims sorted by decreasing stride) it has dims (B, T, H, D) and strides (H·T·D, D, T·D, 1): not
+    contiguous, so the elementwise kernels there take ATen's strided path and the ``view`` back to
+    (B, T, H·D) copies. A drop-in whose backward writes the gradient in ``q``'s own strides hands ``base`` a
+    contiguous one. Whether eager's gradient really arrives so is read from the trace, not assumed: only
+    ops whose recorded ``Input Strides`` are this layout are credited (a torch that returns the gradient in
+    the upstream gradient's layout, as 2.13 does on the CPU, shows no such op and gets no credit).
+
+    Args:
+        dims, strides: the view's recorded ``Input Dims`` and ``Input Strides`` (same length).
+    Returns:
+        ``(dims, strides)`` of that gradient in the base's dim order; None when ``strides`` are contiguous
+        already (no relayout) or not a permutation of a dense layout (a slice, a broadcast), or lengths differ.
+    """
+    n = len(dims)
+    if n < 2 or len(strides) != n or any(int(d) < 1 for d in dims):
+        return None
+    order = sorted(range(n), key=lambda i: -int(strides[i]))  # base's dim order (stable for equal strides)
+    dense, acc = [0] * n, 1
+    for i in reversed(order):
+        dense[i] = acc
+        acc *= int(dims[i])
+    if any(int(dims[i]) > 1 and int(strides[i]) != dense[i] for i in range(n)):
+        return None  # not a permuted dense tensor
+    if order == list(range(n)):
+        return None  # contiguous: eager's gradient has this layout too
+    contig, acc = [0] * n, 1
+    for i in reversed(range(n)):
+        contig[i] = acc
+        acc *= int(dims[i])
+    return tuple(int(dims[i]) for i in order), tuple(contig[i] for i in order)
+
+
+def relayout_credit(strided_us: float, contiguous_bytes: float, bandwidth: float) -> float:
+    """µs a strided elementwise op saves once its input arrives in its own layout: its strided kernels'
+    time less one contiguous pass over its bytes at ``bandwidth`` (bytes/s), at least 0.
+
+    The op keeps its work (same bytes, same FLOPs); only the index arithmetic and uncoalesced accesses of
+    ATen's strided path (``at::native::elementwise_kernel<128, N>``, ``launch_legacy_kernel`` in
+    ``ATen/native/cuda/CUDALoops.cuh``) go. A copy that only re-laid the gradient out (``ViewBackward0``'s
+    reshape) vanishes altogether with the drop-in; it is still charged one pass here (conservative)."""
+    if strided_us <= 0 or bandwidth <= 0:
+        return 0.0
+    return max(0.0, strided_us - contiguous_bytes / bandwidth * 1e6)

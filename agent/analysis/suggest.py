@@ -10,7 +10,10 @@ where the replacement needs ``minimal bytes / bandwidth`` (``bandwidth`` from
 :meth:`Window.bandwidth`: calibrated, else achieved by the window's large streaming ops),
 or at least ``FLOPs / peak`` when it keeps the ops' FLOPs (attention, autocast). The
 matched time includes the backward ops autograd ran for the matched forward ops (linked
-by the ``Sequence number`` the profiler records on both). Remedies whose gain is below
+by the ``Sequence number`` the profiler records on both), and those of the remedy's ``views`` inside the
+pattern (rotate_half's slices); a remedy with ``returns_input_layout`` is also credited the strided kernels
+eager's gradient layout forced on the backward ops upstream of it (:func:`_relayout`,
+:func:`.gain_model.relayout_credit`). Remedies whose gain is below
 :data:`MIN_GAIN` are dropped; the rest are ranked existing fixes first, then bundled
 kernels, each by gain. The drop-ins reach the bandwidth fraction they were measured at
 (:func:`.gain_model.replacement_efficiency`); CUDA graphs gain only the idle gaps in which the GPU
@@ -47,6 +50,7 @@ class _Match:
     time_us: float = 0.0  # time the matched ops took
     replace_s: Optional[float] = None  # set directly by detectors: the replacement's seconds
     elements: int = 0  # elements of the anchor tensor (for the drop-in's measured bandwidth fraction)
+    relayout: Dict[int, float] = field(default_factory=dict)  # backward node -> µs its strided kernels save
 
 
 class _Context:
@@ -107,16 +111,40 @@ class _Context:
                 if w.device_type != "cpu" or (names[name_of[i]] not in VIEW_OPS and self.bytes[i] > 0):
                     streams.setdefault(ix.op_thread[i], []).append(i)
         self.streams = [sorted(s, key=lambda i: ix.op_ts[i]) for s in streams.values()]
+        self._thread_tops: Optional[Dict[int, Tuple[List[int], List[float]]]] = None  # built on first use
 
     def name(self, op: int) -> str:
         return self.ix.names[self.ix.op_name[op]]
 
-    def linked_backward(self, tops: Sequence[int], claimed: Set[int]) -> List[int]:
+    def linked_backward(self, tops: Sequence[int], claimed: Set[int], views: Sequence[int] = ()) -> List[int]:
+        """Unclaimed backward nodes autograd ran for the forward top-level ops ``tops`` (every sequence number
+        inside them) and for the ``views`` (top-level ops that launched nothing: their own sequence number)."""
         out: List[int] = []
-        for t in tops:
-            for seq in self.seqs.get(t, ()):
-                out.extend(b for b in self.backward.get(seq, ()) if b not in claimed and b not in out)
+        seqs = [seq for t in tops for seq in self.seqs.get(t, ())]
+        seqs += [self.ix.op_seq[v] for v in views if self.ix.op_seq[v] >= 0]
+        for seq in seqs:
+            out.extend(b for b in self.backward.get(seq, ()) if b not in claimed and b not in out)
         return out
+
+    def views_between(self, first: int, last: int, names: Sequence[str]) -> List[int]:
+        """Top-level ops named in ``names`` on ``first``'s thread that start after ``first`` and before ``last``
+        and launched no GPU work (views: not in the op stream)."""
+        if not names:
+            return []
+        ix = self.ix
+        if self._thread_tops is None:
+            per: Dict[int, List[int]] = {}
+            for i in range(len(ix.op_ts)):
+                if not ix.op_kind[i] and ix.op_top[i] == i:
+                    per.setdefault(ix.op_thread[i], []).append(i)
+            self._thread_tops = {}
+            for t, v in per.items():
+                v.sort(key=lambda i: ix.op_ts[i])
+                self._thread_tops[t] = (v, [ix.op_ts[i] for i in v])
+        ops, ts = self._thread_tops.get(ix.op_thread[first], ([], []))
+        lo, hi = bisect.bisect_right(ts, ix.op_ts[first]), bisect.bisect_left(ts, ix.op_ts[last])
+        wanted = set(names)
+        return [i for i in ops[lo:hi] if self.time[i] <= 0 and self.name(i) in wanted]
 
     def input_tensor(self, op: int, arg: int) -> Optional[Tuple[int, int, int]]:
         """(numel, last dim, itemsize) of input ``arg`` of op ``op`` (a TensorList: summed, 4 B/element),
@@ -229,6 +257,8 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
                 m.replace_s = m.min_bytes / (bw * eff)
                 if r.keeps_flops:
                     m.replace_s = max(m.replace_s, sum(ctx.flop_s[t] for t in m.fwd + m.bwd))
+            if getattr(r, "returns_input_layout", False) and matches:
+                matches = matches + _relayout(ctx, r, matches, bw)
             if r.detector == "pointwise_chain":
                 matches = matches + _fused_by_compile(ctx, matches, dropin_matches)
                 fusing = matches
@@ -342,6 +372,9 @@ def _claim(ctx: _Context, r, matches: List[_Match], gaps, gain: float) -> gain_m
         return c
     tops = {t for m in matches for t in m.fwd + m.bwd}
     c.time_us = {("op", t): ctx.time[t] for t in tops}
+    for m in matches:  # backward nodes the remedy speeds up without replacing them: what it saves there
+        for t, us in m.relayout.items():
+            c.time_us[("op", t)] = c.time_us.get(("op", t), 0.0) + us
     if gaps:  # fusing ops removes their launches, and with them the host-bound gaps next to their kernels
         top_of, kr_op = ctx.ix.op_top, ctx.w.kr_op
         for g, prev, nxt in gaps:
@@ -371,6 +404,82 @@ def _fused_by_compile(ctx: _Context, chains: List[_Match], dropins: Dict[str, Li
     return extra
 
 
+#: ATen's strided elementwise path (``launch_legacy_kernel`` in ``ATen/native/cuda/CUDALoops.cuh``): taken when
+#: the operands' layouts do not coalesce into one contiguous run (contiguous inputs take ``vectorized_`` /
+#: ``unrolled_elementwise_kernel``)
+_STRIDED_KERNEL = "void at::native::elementwise_kernel<"
+
+
+def _relayout(ctx: _Context, r, matches: List[_Match], bw: float) -> List[_Match]:
+    """What a drop-in that returns its input gradients in the inputs' layout (``returns_input_layout``) saves
+    in the backward ops that receive them, beside the ops it replaces.
+
+    For each match whose anchor input is a permuted view, :func:`.gain_model.eager_grad_layout` gives the
+    (dims, strides) in which eager's gradient reaches the ops upstream of the view. Every op inside a backward
+    node not claimed by these matches that has an input of exactly that layout and whose GPU activities are
+    all strided elementwise kernels (:data:`_STRIDED_KERNEL`) is credited :func:`.gain_model.relayout_credit`:
+    its kernels' time less one contiguous pass over its bytes (``w.cost``) at ``bw``. Reductions and casts
+    that keep the layout (``ToCopyBackward0``'s copy) run the same either way and are not counted.
+
+    The trace records no tensor identities: another gradient of the same shape and layout (v's beside k's
+    when they have as many heads) is counted too (docs/analyze.md gives the size on Qwen3 and Llama).
+    Returns one match (no claimed ops; ``relayout``: µs saved per backward node, its ``time_us`` their sum and
+    its replacement 0: the suggestion's time counts what the relayout saves, not those ops' whole time) or
+    none. ``r.anchor_arg`` of each match's first claimed op is the anchor (remedies with this flag have no
+    ``anchor_op``).
+    """
+    ix, w = ctx.ix, ctx.w
+    layouts = set()
+    for m in matches:
+        if not m.fwd:
+            continue
+        sid = ix.op_sig[m.fwd[0]]
+        s = ix.sigs[sid] if sid >= 0 else None
+        if s is None or not s.dims or not s.strides or r.anchor_arg >= min(len(s.dims), len(s.strides)):
+            continue
+        d, st = s.dims[r.anchor_arg], s.strides[r.anchor_arg]
+        if isinstance(d, list) and isinstance(st, list) and all(isinstance(x, int) for x in d + st):
+            got = gain_model.eager_grad_layout(d, st)
+            if got is not None:
+                layouts.add(got)
+    if not layouts:
+        return []
+    own = {t for m in matches for t in m.bwd}
+    names = ix.names
+    per_op: Dict[int, List[float]] = {}  # op -> [µs, all strided]
+    for k, op in enumerate(w.kr_op):
+        if op < 0:
+            continue
+        t = ix.op_top[op]
+        if t in own or not ctx.name(t).startswith(_BACKWARD_PREFIX):
+            continue
+        acc = per_op.setdefault(op, [0.0, 1.0])
+        acc[0] += w.kr_dur[k]
+        if not names[ix.k_name[k]].startswith(_STRIDED_KERNEL):
+            acc[1] = 0.0
+    credit: Dict[int, float] = {}
+    for op, (us, strided) in per_op.items():
+        sid = ix.op_sig[op]
+        s = ix.sigs[sid] if sid >= 0 else None
+        if not strided or s is None or not s.dims or not s.strides:
+            continue
+        if not any(isinstance(d, list) and isinstance(st, list) and (tuple(d), tuple(st)) in layouts
+                   for d, st in zip(s.dims, s.strides)):
+            continue
+        c = w.cost(op)
+        if c is None:
+            continue
+        saved = gain_model.relayout_credit(us, c.bytes, bw)
+        if saved <= 0:
+            continue
+        t = ix.op_top[op]
+        credit[t] = credit.get(t, 0.0) + saved
+    if not credit:
+        return []
+    # the ops stay: only what they save counts as the remedy's time (replacement 0), not their whole time
+    return [_Match(time_us=sum(credit.values()), replace_s=0.0, min_bytes=0.0, relayout=credit)]
+
+
 def _anchor(ctx: _Context, r, tops: List[int]) -> Optional[Tuple[int, int, int]]:
     """The remedy's anchor tensor among the claimed ops as (numel, last dim, itemsize), or None."""
     if r.anchor_op is None:
@@ -385,7 +494,8 @@ def _anchor(ctx: _Context, r, tops: List[int]) -> Optional[Tuple[int, int, int]]
 
 
 def _finish(ctx: _Context, r, fwd: List[int], claimed: Set[int]) -> _Match:
-    bwd = ctx.linked_backward(fwd, claimed)
+    views = ctx.views_between(fwd[0], fwd[-1], getattr(r, "views", ())) if len(fwd) > 1 else []
+    bwd = ctx.linked_backward(fwd, claimed, views)
     claimed.update(fwd)
     claimed.update(bwd)
     anchor = _anchor(ctx, r, fwd)

@@ -250,6 +250,7 @@ class OpSig:
     dims: Optional[list]  # "Input Dims": per input a shape list, a list of shapes (TensorList) or []
     types: Optional[list]  # "Input type": "float", "c10::BFloat16", "Scalar", "TensorList", "" (None) ...
     concrete: Optional[list]  # "Concrete Inputs": scalar args as strings ("[-1]", "True", "15") or ""
+    strides: Optional[list] = None  # "Input Strides" (torch >= 2.1 with record_shapes): per input, like dims
 
 
 @dataclass
@@ -357,11 +358,12 @@ class TraceIndex:
                 return
             types = args.get("Input type")
             concrete = args.get("Concrete Inputs")
-            skey = (nid, repr(dims), repr(types), repr(concrete))
+            strides = args.get("Input Strides")
+            skey = (nid, repr(dims), repr(types), repr(concrete), repr(strides))
             sid = self._sig_ids.get(skey)
             if sid is None:
                 sid = self._sig_ids[skey] = len(self.sigs)
-                self.sigs.append(OpSig(name, dims, types, concrete))
+                self.sigs.append(OpSig(name, dims, types, concrete, strides if isinstance(strides, list) else None))
             self.op_sig.append(sid)
         elif cat in GPU_CATEGORIES:
             self._extend(ts, ts + dur)

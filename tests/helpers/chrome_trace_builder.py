@@ -22,14 +22,17 @@ class TraceBuilder:
         self._corr = 5000
 
     def op(self, name: str, ts: float, dur: float, *, tid: int = 1, dims: Optional[list] = None,
-           types: Optional[list] = None, concrete: Optional[list] = None, seq: Optional[int] = None) -> int:
-        """Add a ``cpu_op``; returns its External id."""
+           types: Optional[list] = None, concrete: Optional[list] = None, seq: Optional[int] = None,
+           strides: Optional[list] = None) -> int:
+        """Add a ``cpu_op``; returns its External id. ``strides``: its ``Input Strides`` (like ``dims``)."""
         self._ext += 1
         args: Dict[str, Any] = {"External id": self._ext, "Record function id": 0}
         if dims is not None:
             args["Input Dims"] = dims
             args["Input type"] = types if types is not None else ["float"] * len(dims)
             args["Concrete Inputs"] = concrete if concrete is not None else [""] * len(dims)
+            if strides is not None:
+                args["Input Strides"] = strides
         if seq is not None:
             args["Sequence number"] = seq
         self.events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": self.pid, "tid": tid,
