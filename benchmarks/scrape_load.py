@@ -182,6 +182,14 @@ def _spread(xs: list) -> str:
     return f"{(min(xs) - 1) * 100:+.1f}..{(max(xs) - 1) * 100:+.1f}%" if xs else "n/a"
 
 
+def _iqr(xs: list) -> str:
+    """The interquartile range of a list of ratios, as percentages of cost."""
+    if len(xs) < 4:
+        return "n/a"
+    q = statistics.quantiles(xs, n=4)
+    return f"{(q[0] - 1) * 100:+.1f}..{(q[2] - 1) * 100:+.1f}%"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -191,6 +199,11 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("--block-seconds", type=float, default=2.0)
+    ap.add_argument("--toggle", type=int, default=0, metavar="PAIRS",
+                    help="per round, start the scrapers once and alternate PAIRS pairs of --arm-seconds arms by "
+                         "stopping and continuing them (SIGSTOP/SIGCONT): no process start-up in the arms, many "
+                         "short pairs (not for 1000halfopen, whose load is the open connections)")
+    ap.add_argument("--arm-seconds", type=float, default=0.5)
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="start no new round of pairs past this many seconds (0: no limit); the table covers the rounds done")
     ap.add_argument("--batch", type=int, default=1)
@@ -263,9 +276,51 @@ def main() -> int:
         time.sleep(0.5 if mode != "1hz" else 1.2)  # all scrapers in their steady state
         return proc
 
+    def render_seconds() -> float:
+        return float(getattr(srv, "render_seconds", 0.0)) if mode_used == "process" else 0.0
+
+    def toggled(name: str, a: dict, i: int) -> None:
+        """One round of ``--toggle`` pairs for ``name``: the scrapers run in the load arms, stopped otherwise."""
+        import signal
+
+        n, mode = CONFIGS[name]
+        proc = scrapers(n, mode)
+        os.kill(proc.pid, signal.SIGSTOP)
+        for j in range(args.toggle):
+            order = ("base", "load") if (i + j) % 2 == 0 else ("load", "base")
+            meds = {}
+            for kind in order:
+                if kind == "load":
+                    os.kill(proc.pid, signal.SIGCONT)
+                    time.sleep(0.05)  # the requests pending at the stop are answered
+                    s0, r0, p0, w0 = server_cpu(), render_seconds(), time.process_time(), time.perf_counter()
+                w, c = block(args.arm_seconds)
+                meds[kind] = (statistics.median(w), statistics.median(c))
+                if kind == "load":
+                    dt = time.perf_counter() - w0
+                    a["server_share"].append((server_cpu() - s0) / dt)
+                    a["render_share"].append((render_seconds() - r0) / dt)
+                    a["train_share"].append((time.process_time() - p0) / dt)
+                    a["threads"].append(threading.active_count())
+                    a["fds"].append(_proc_fds("self"))
+                    if child_pid is not None:
+                        a["child_threads"].append(_proc_threads(child_pid))
+                        a["child_fds"].append(_proc_fds(child_pid))
+                    os.kill(proc.pid, signal.SIGSTOP)
+            a["ratios"].append(meds["load"][0] / meds["base"][0])
+            a["cpu_ratios"].append(meds["load"][1] / meds["base"][1])
+            a["base"].append(meds["base"][0])
+            a["load"].append(meds["load"][0])
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(input="", timeout=60)
+        a["stats"].append(json.loads(out.strip().splitlines()[-1]))
+        print(f"round {i} {name}: {args.toggle} toggled pairs, median wall ratio "
+              f"{statistics.median(a['ratios'][-args.toggle:]):.4f}", flush=True)
+
     names = [c for c in args.configs.split(",") if c]
     acc = {name: {"ratios": [], "cpu_ratios": [], "base": [], "load": [], "stats": [], "threads": [], "child_threads": [],
-                  "fds": [], "child_fds": [], "server_share": [], "train_share": []} for name in names}
+                  "fds": [], "child_fds": [], "server_share": [], "train_share": [], "render_share": []}
+           for name in names}
     rounds = 0
     for i in range(args.pairs):  # rounds: every configuration once per round (interleaved), ABBA within a pair
         if args.max_seconds and i and time.monotonic() - t_start > args.max_seconds:
@@ -274,6 +329,9 @@ def main() -> int:
         for name in names:
             n, mode = CONFIGS[name]
             a = acc[name]
+            if args.toggle and mode != "halfopen":
+                toggled(name, a, i)
+                continue
             order = ("base", "load") if i % 2 == 0 else ("load", "base")
             meds = {}
             for kind in order:
@@ -311,12 +369,14 @@ def main() -> int:
             "cpu_cost": statistics.median(a["cpu_ratios"]) - 1.0, "cpu_ratios": [round(r, 4) for r in a["cpu_ratios"]],
             "base_step_ms": round(statistics.median(a["base"]) * 1e3, 3),
             "load_step_ms": round(statistics.median(a["load"]) * 1e3, 3),
-            "scrapes_per_s": round(ok / (len(stats) * args.block_seconds), 1), "failed": sum(s["failed"] for s in stats),
+            "scrapes_per_s": round(ok / (len(stats) * (args.toggle * (args.arm_seconds + 0.05) if args.toggle and
+                                                       CONFIGS[name][1] != "halfopen" else args.block_seconds)), 1), "failed": sum(s["failed"] for s in stats),
             "p50_ms": statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]),
             "p99_ms": max([s["p99_ms"] for s in stats if s["p99_ms"] is not None] or [0]),
             "threads": max(a["threads"]), "child_threads": max(a["child_threads"]) if a["child_threads"] else None,
             "fds": max(a["fds"]), "child_fds": max(a["child_fds"]) if a["child_fds"] else None,
             "server_cpu_share": med(a["server_share"]), "train_process_cpu_share": med(a["train_share"]),
+            "render_cpu_share": med(a["render_share"]), "pairs": len(a["ratios"]),
         }
         print(f"{name}: {results[name]}", flush=True)
     agent.close()
@@ -327,10 +387,11 @@ def main() -> int:
           f"training process's CPU" + (f", here pinned to CPU {args.server_cpu})" if args.server_cpu >= 0 and child_pid
                                         else ")"))
     print("cost: median over pairs of (median step wall time with scrapers / without) - 1, [min..max of the pairs]; "
-          "cpu cost: the same for the training thread's CPU time per step")
+          "cpu cost: the same for the training thread's CPU time per step; IQR: the pairs' interquartile range; "
+          "render CPU: the training process's CPU time rendering the exposition per wall second (process mode)")
     print(f"{'config':<14} {'step ms none->load':>20} {'cost':>8} {'pairs spread':>16} {'cpu cost':>9} "
           f"{'scrapes/s':>10} {'failed':>7} {'p50 ms':>8} {'p99 ms':>8} {'threads':>8} {'fds':>9} {'server CPU':>10} "
-          f"{'train CPU':>10}")
+          f"{'train CPU':>10} {'pairs':>6} {'IQR':>16} {'render CPU':>10}")
     for k, r in results.items():
         thr = f"{r['threads']}" + (f"+{r['child_threads']}" if r["child_threads"] is not None else "")
         fds = f"{r['fds']}" + (f"+{r['child_fds']}" if r["child_fds"] is not None else "")
@@ -338,7 +399,9 @@ def main() -> int:
         tc = f"{r['train_process_cpu_share'] * 100:.1f}%" if r["train_process_cpu_share"] is not None else "n/a"
         print(f"{k:<14} {r['base_step_ms']:>9}->{r['load_step_ms']:<9} {r['cost'] * 100:>7.2f}% "
               f"{_spread(acc[k]['ratios']):>16} {r['cpu_cost'] * 100:>8.2f}% {r['scrapes_per_s']:>10} {r['failed']:>7} "
-              f"{r['p50_ms']:>8} {r['p99_ms']:>8} {thr:>8} {fds:>9} {sc:>10} {tc:>10}")
+              f"{r['p50_ms']:>8} {r['p99_ms']:>8} {thr:>8} {fds:>9} {sc:>10} {tc:>10} {r['pairs']:>6} "
+              f"{_iqr(acc[k]['ratios']):>16} "
+              + (f"{r['render_cpu_share'] * 100:.3f}%" if r["render_cpu_share"] is not None else "n/a").rjust(10))
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_cpu{args.server_cpu}" if args.server_cpu >= 0 and child_pid is not None else ""

@@ -347,6 +347,9 @@ class ProcessServer:
         self._rendered_at: Optional[float] = None
         self._unsent = False
         self.renders = 0
+        #: CPU seconds the publisher thread spent rendering (the training process's whole share of the
+        #: interpreter lock for serving /metrics in this mode), for benchmarks/scrape_load.py
+        self.render_seconds = 0.0
         self._stats: Dict[str, Any] = {"answered": {}, "dropped": {}, "cpu_seconds": 0.0, "throttled_seconds": 0.0}
         self._died_reported = False
         #: server children started again after one died (at most :data:`MAX_RESTARTS`)
@@ -488,6 +491,7 @@ class ProcessServer:
         return float(self.stats().get("cpu_seconds", 0.0))
 
     def _render_now(self, initial: bool = False) -> Optional[bytes]:
+        t0 = time.thread_time()
         try:
             body = self._render()
         except Exception as exc:  # noqa: BLE001 - a failing render keeps serving the previous bytes
@@ -498,6 +502,7 @@ class ProcessServer:
             return b"" if initial else None
         self._rendered_at = time.monotonic()
         self.renders += 1
+        self.render_seconds += time.thread_time() - t0
         return body
 
     def _write_body(self, body: Optional[bytes]) -> bool:
