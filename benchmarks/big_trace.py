@@ -102,7 +102,10 @@ def main() -> None:
     info = generate(path, a.mb)
     info["generate_seconds"] = time.perf_counter() - t0
     result_json = out / "big_trace.analysis.json"
-    rows = [("import torch.utils.flop_counter only", run_child(["-c", "import torch.utils.flop_counter"]), None)]
+    rows = [("import torch.utils.flop_counter only", run_child(["-c", "import torch.utils.flop_counter"]), None),
+            ("the same without triton (as analyze)", run_child(["-c", (
+                "from mfuwatch.agent.analysis import opcost; opcost.import_formulas_without_triton(); "
+                "opcost._torch_formulas()")]), None)]
     rows.append(("analyze big_trace.json", run_child(["-m", "mfuwatch.agent.analysis.analyze", str(path), "--json",
                                                       "--output", str(result_json)]), info["bytes"]))
     if a.gzip:

@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..device.peaks import PEAK_KEYS, Peaks, resolve_peaks
 from ..schema import WindowMeasurement, to_record
+from . import opcost
 from .roofline import build_window, measure
 from .suggest import suggest_set
 from .trace import GPU_CATEGORIES, TraceError, TraceIndex, read_trace
@@ -166,6 +167,7 @@ def _peaks_from_args(args: argparse.Namespace, device_properties: List[Dict[str,
 def main(argv: Optional[List[str]] = None) -> int:
     """Run ``mfuwatch analyze``; returns the exit status (see the module docstring)."""
     args = _parser().parse_args(argv)
+    opcost.import_formulas_without_triton()  # this process reads a trace: no Triton kernels to count (-75 MB)
     if args.nice:
         try:
             os.nice(args.nice)

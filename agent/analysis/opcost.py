@@ -108,11 +108,50 @@ class OpCost:
         return self.flops / self.bytes if self.bytes > 0 else None
 
 
+#: Set by :func:`import_formulas_without_triton` (the ``mfuwatch analyze`` process only).
+_WITHOUT_TRITON = False
+
+
+def import_formulas_without_triton() -> None:
+    """Import torch's FLOP formulas without Triton, in a process that only reads traces (``mfuwatch analyze``).
+
+    ``torch.utils.flop_counter`` imports ``triton.runtime.jit`` at import time (to count Triton kernels a
+    ``FlopCounterMode`` meets), which costs about 75 MB of resident memory here (292 MB for the import
+    against 225 MB for ``import torch``, ``benchmarks/big_trace.py``); the formulas applied to recorded
+    shapes never need it. After this call, the first use imports ``flop_counter`` with ``triton`` hidden
+    from the import system, unless triton or ``flop_counter`` is already imported (then nothing changes).
+    Not for a training process: there ``flop_counter`` would keep counting Triton kernels as nothing.
+    """
+    global _WITHOUT_TRITON
+    _WITHOUT_TRITON = True
+
+
+def _import_flop_counter() -> Any:
+    import sys
+
+    if not _WITHOUT_TRITON or "triton" in sys.modules or "torch.utils.flop_counter" in sys.modules:
+        from torch.utils import flop_counter
+
+        return flop_counter
+    import logging
+
+    quiet = logging.getLogger("torch.utils.flop_counter")  # "triton not found" on a CUDA build of torch
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    sys.modules["triton"] = None  # type: ignore[assignment]  # "import triton" raises ImportError
+    try:
+        from torch.utils import flop_counter
+    finally:
+        del sys.modules["triton"]
+        quiet.setLevel(level)
+    return flop_counter
+
+
 @lru_cache(maxsize=1)
 def _torch_formulas() -> Tuple[Dict[str, Tuple[Callable, Optional[int]]], Any]:
     """``{"aten::mm": (formula, positional arity or None), ...}`` from ``torch.utils.flop_counter.flop_registry`` (imports torch once)."""
     try:
-        from torch.utils import flop_counter
+        flop_counter = _import_flop_counter()
     except Exception:  # noqa: BLE001 - without torch every op gets the elementwise estimate
         return {}, None
     import inspect
