@@ -248,6 +248,51 @@ def _ce_fwd_split_kernel(
 
 
 @triton.jit
+def _row_lse(x_row, V, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
+    """``(lse, zsum)`` of one row read whole from memory (online max and sum of exponentials over BLOCK-wide
+    blocks): the team kernels' fallback when a row's partial results do not all arrive. fp32; ``z`` is the
+    softcapped logit where ``HAS_SOFTCAP``, ``zsum`` the sum of the row's ``z`` (for label smoothing)."""
+    gm = -float("inf")
+    ss = 0.0
+    zsum = 0.0
+    for j in range(0, tl.cdiv(V, BLOCK)):
+        cj = j * BLOCK + tl.arange(0, BLOCK)
+        mj = cj < V
+        xj = tl.load(x_row + cj, mask=mj, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            xj = softcap * _tanh(xj * (1.0 / softcap))
+        zsum += tl.sum(tl.where(mj, xj, 0.0), 0)
+        xj = tl.where(mj, xj, -float("inf"))
+        nm = tl.maximum(gm, tl.max(xj, 0))
+        ss = ss * tl.exp(gm - nm) + tl.sum(tl.exp(xj - nm), 0)
+        gm = nm
+    return gm + tl.log(ss), zsum
+
+
+@triton.jit
+def _row_loss(x_row, t_ptr, loss_ptr, lse_ptr, lse, zsum, write, V, ignore_index, smoothing, z_loss, softcap,
+              coef0, HAS_SOFTCAP: tl.constexpr):
+    """The team kernels' per-row loss: reads the row's target, stores its loss and lse where ``write`` (one
+    program per row), returns ``(target, coef)`` with ``coef`` ``coef0`` for a valid target, 0 for an
+    ignored one and NaN for one outside ``[0, V)``. Loss: ``(1-s)(lse - z_t) + s(lse - zsum/V) + z_loss·lse²``."""
+    t = tl.load(t_ptr).to(tl.int64)
+    ignored = t == ignore_index
+    valid = (t >= 0) & (t < V)
+    if write:
+        zt = tl.load(x_row + tl.where(valid, t, 0)).to(tl.float32)
+        if HAS_SOFTCAP:
+            zt = softcap * _tanh(zt * (1.0 / softcap))
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(loss_ptr, loss)
+        tl.store(lse_ptr, lse)
+    coef = tl.where(valid, coef0, float("nan"))
+    coef = tl.where(ignored, 0.0, coef)
+    return t, coef
+
+
+@triton.jit
 def _ce_team_kernel(
     X, T, LOSS, LSE, DX, SCALE, PM, PS, PZ, CNT,  # X, T, LOSS, LSE, DX, SCALE as _ce_fwd_kernel (DX must not
     # alias X); PM, PS, PZ: (rows * S,) fp32 per-segment max, sum of exp(z - max), sum of z; CNT: (rows,) int32
@@ -316,36 +361,9 @@ def _ce_team_kernel(
                 zsum = 0.0
         else:  # gave up waiting: the whole row from memory, and no more waits
             patience = 0
-            gm = -float("inf")
-            ss = 0.0
-            zsum = 0.0
-            for j in range(0, S):
-                cj = j * BLOCK + tl.arange(0, BLOCK)
-                mj = cj < V
-                xj = tl.load(X + row * stride_x + cj, mask=mj, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    xj = softcap * _tanh(xj * (1.0 / softcap))
-                zsum += tl.sum(tl.where(mj, xj, 0.0), 0)
-                xj = tl.where(mj, xj, -float("inf"))
-                nm = tl.maximum(gm, tl.max(xj, 0))
-                ss = ss * tl.exp(gm - nm) + tl.sum(tl.exp(xj - nm), 0)
-                gm = nm
-            lse = gm + tl.log(ss)
-        t = tl.load(T + row).to(tl.int64)
-        ignored = t == ignore_index
-        valid = (t >= 0) & (t < V)
-        t_safe = tl.where(valid, t, 0)
-        if seg == 0:  # one program per row writes the row's loss and lse
-            zt = tl.load(X + row * stride_x + t_safe).to(tl.float32)
-            if HAS_SOFTCAP:
-                zt = softcap * _tanh(zt * (1.0 / softcap))
-            loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-            loss = tl.where(valid, loss, float("nan"))
-            loss = tl.where(ignored, 0.0, loss)
-            tl.store(LOSS + row, loss)
-            tl.store(LSE + row, lse)
-        coef = tl.where(valid, coef0, float("nan"))
-        coef = tl.where(ignored, 0.0, coef)
+            lse, zsum = _row_lse(X + row * stride_x, V, softcap, HAS_SOFTCAP, BLOCK)
+        t, coef = _row_loss(X + row * stride_x, T + row, LOSS + row, LSE + row, lse, zsum, seg == 0, V, ignore_index,
+                            smoothing, z_loss, softcap, coef0, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             coef = coef * 4.0
         a = (1.0 + 2.0 * z_loss * lse) * coef
@@ -455,36 +473,9 @@ def _ce_team_l2_kernel(
                 zsum = 0.0
         else:  # gave up waiting: the whole row from memory, and no more waits
             patience = 0
-            gm = -float("inf")
-            ss = 0.0
-            zsum = 0.0
-            for j in range(0, tl.cdiv(V, BLOCK)):
-                cj = j * BLOCK + tl.arange(0, BLOCK)
-                mj = cj < V
-                xj = tl.load(x_row + cj, mask=mj, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    xj = softcap * _tanh(xj * (1.0 / softcap))
-                zsum += tl.sum(tl.where(mj, xj, 0.0), 0)
-                xj = tl.where(mj, xj, -float("inf"))
-                nm = tl.maximum(gm, tl.max(xj, 0))
-                ss = ss * tl.exp(gm - nm) + tl.sum(tl.exp(xj - nm), 0)
-                gm = nm
-            lse = gm + tl.log(ss)
-        t = tl.load(T + row).to(tl.int64)
-        ignored = t == ignore_index
-        valid = (t >= 0) & (t < V)
-        t_safe = tl.where(valid, t, 0)
-        if seg == 0:  # one program per row writes the row's loss and lse
-            zt = tl.load(x_row + t_safe).to(tl.float32)
-            if HAS_SOFTCAP:
-                zt = softcap * _tanh(zt * (1.0 / softcap))
-            loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-            loss = tl.where(valid, loss, float("nan"))
-            loss = tl.where(ignored, 0.0, loss)
-            tl.store(LOSS + row, loss)
-            tl.store(LSE + row, lse)
-        coef = tl.where(valid, coef0, float("nan"))
-        coef = tl.where(ignored, 0.0, coef)
+            lse, zsum = _row_lse(x_row, V, softcap, HAS_SOFTCAP, BLOCK)
+        t, coef = _row_loss(x_row, T + row, LOSS + row, LSE + row, lse, zsum, seg == 0, V, ignore_index,
+                            smoothing, z_loss, softcap, coef0, HAS_SOFTCAP)
         grow = 1.0 + 2.0 * z_loss * lse
         dx_row = DX + row * stride_dx
         for i in tl.range(0, NB, num_stages=STAGES):
