@@ -279,6 +279,23 @@ def main() -> int:
     def render_seconds() -> float:
         return float(getattr(srv, "render_seconds", 0.0)) if mode_used == "process" else 0.0
 
+    def load_mark() -> tuple:
+        """Counters at the start of a loaded arm: server CPU, render CPU, process CPU, wall time."""
+        return server_cpu(), render_seconds(), time.process_time(), time.perf_counter()
+
+    def record_load(a: dict, mark: tuple) -> None:
+        """Append the loaded arm's shares (per wall second since ``mark``) and thread/descriptor counts to ``a``."""
+        s0, r0, p0, w0 = mark
+        dt = time.perf_counter() - w0
+        a["server_share"].append((server_cpu() - s0) / dt)
+        a["render_share"].append((render_seconds() - r0) / dt)
+        a["train_share"].append((time.process_time() - p0) / dt)
+        a["threads"].append(threading.active_count())
+        a["fds"].append(_proc_fds("self"))
+        if child_pid is not None:
+            a["child_threads"].append(_proc_threads(child_pid))
+            a["child_fds"].append(_proc_fds(child_pid))
+
     def toggled(name: str, a: dict, i: int) -> None:
         """One round of ``--toggle`` pairs for ``name``: the scrapers run in the load arms, stopped otherwise."""
         import signal
@@ -293,19 +310,11 @@ def main() -> int:
                 if kind == "load":
                     os.kill(proc.pid, signal.SIGCONT)
                     time.sleep(0.05)  # the requests pending at the stop are answered
-                    s0, r0, p0, w0 = server_cpu(), render_seconds(), time.process_time(), time.perf_counter()
+                    mark = load_mark()
                 w, c = block(args.arm_seconds)
                 meds[kind] = (statistics.median(w), statistics.median(c))
                 if kind == "load":
-                    dt = time.perf_counter() - w0
-                    a["server_share"].append((server_cpu() - s0) / dt)
-                    a["render_share"].append((render_seconds() - r0) / dt)
-                    a["train_share"].append((time.process_time() - p0) / dt)
-                    a["threads"].append(threading.active_count())
-                    a["fds"].append(_proc_fds("self"))
-                    if child_pid is not None:
-                        a["child_threads"].append(_proc_threads(child_pid))
-                        a["child_fds"].append(_proc_fds(child_pid))
+                    record_load(a, mark)
                     os.kill(proc.pid, signal.SIGSTOP)
             a["ratios"].append(meds["load"][0] / meds["base"][0])
             a["cpu_ratios"].append(meds["load"][1] / meds["base"][1])
@@ -340,17 +349,10 @@ def main() -> int:
                     meds[kind] = (statistics.median(w), statistics.median(c))
                     continue
                 proc = scrapers(n, mode)
-                s0, p0, w0 = server_cpu(), time.process_time(), time.perf_counter()
+                mark = load_mark()
                 w, c = block(args.block_seconds)
-                dt = time.perf_counter() - w0
                 meds[kind] = (statistics.median(w), statistics.median(c))
-                a["server_share"].append((server_cpu() - s0) / dt)
-                a["train_share"].append((time.process_time() - p0) / dt)
-                a["threads"].append(threading.active_count())
-                a["fds"].append(_proc_fds("self"))
-                if child_pid is not None:
-                    a["child_threads"].append(_proc_threads(child_pid))
-                    a["child_fds"].append(_proc_fds(child_pid))
+                record_load(a, mark)
                 out, _ = proc.communicate(input="", timeout=60)
                 a["stats"].append(json.loads(out.strip().splitlines()[-1]))
             a["ratios"].append(meds["load"][0] / meds["base"][0])
