@@ -63,6 +63,7 @@ class M:
     MEMORY_BOUND_SHARE = PREFIX + "memory_bound_share_ratio"
     OP_GPU_TIME_SHARE = PREFIX + "op_gpu_time_share_ratio"  # {op,bound}
     SUGGESTION_EXPECTED_GAIN = PREFIX + "suggestion_expected_gain_ratio"  # {kernel}
+    SUGGESTION_ORDER = PREFIX + "suggestion_order"  # {kernel}: 1 = the agent's first suggestion
     PROFILE_WINDOWS_TOTAL = PREFIX + "profile_windows_total"  # {outcome}
     KERNELS_PER_STEP = PREFIX + "kernels_per_step"
     MEAN_KERNEL_DURATION_SECONDS = PREFIX + "mean_kernel_duration_seconds"
@@ -114,6 +115,7 @@ EXTRA_LABELS: Dict[str, tuple] = {
     M.GPU_TIME_SHARE: ("category",),
     M.OP_GPU_TIME_SHARE: ("op", "bound"),
     M.SUGGESTION_EXPECTED_GAIN: ("kernel",),
+    M.SUGGESTION_ORDER: ("kernel",),
     M.PROFILE_WINDOWS_TOTAL: ("outcome",),
     M.GPU_CLOCK_EVENT_REASON: ("reason",),
     M.GPU_ECC_ERRORS_TOTAL: ("type",),

@@ -19,7 +19,8 @@ Placeholders (``{{`` and ``}}`` stand for literal braces):
 ``{for}`` ``{window}`` ``{offset}`` ``{cooldown}``    the rule's durations as written (``10m``, ``1h``)
 ``{op}`` ``{alertname}`` ``{severity}``              the rule's comparison, name, severity
 ``{labels.NAME}``           a label of the alert (``run``, ``rank``, …)
-``{suggestion}``            the top suggestion: ``"rms_norm (expected gain 12.3% of step time)"``
+``{suggestion}``            the agent's first-ranked suggestion (existing fixes first, then by expected
+                            gain): ``"rms_norm (expected gain 12.3% of step time)"``
 ==========================  =================================================================
 
 The number formats follow Prometheus's template functions (``humanizePercentage``
@@ -94,8 +95,11 @@ def format_suggestion(kernel: str, expected_gain: float) -> str:
     return f"{kernel} (expected gain {fmt_pct(expected_gain)} of step time)"
 
 
+#: the gain of the suggestion the agent ranks first (``mfuwatch_suggestion_order`` 1), as the engine's
+#: ``{suggestion}`` names it; not ``topk`` of the gains, which can name a drop-in ranked below an existing fix
 _GO_SUGGESTION = (
-    '{{ with printf "topk(1, ' + M.SUGGESTION_EXPECTED_GAIN + '{run=%q,rank=%q})" $labels.run $labels.rank | query }}'
+    '{{ with printf "' + M.SUGGESTION_EXPECTED_GAIN + '{run=%q,rank=%q} and on(kernel) bottomk(1, '
+    + M.SUGGESTION_ORDER + '{run=%q,rank=%q})" $labels.run $labels.rank $labels.run $labels.rank | query }}'
     "{{ with first . }}{{ .Labels.kernel }} (expected gain {{ .Value | humanizePercentage }} of step time){{ end }}"
     "{{ else }}none recorded{{ end }}"
 )

@@ -132,6 +132,14 @@ class MeasurementCollector(Collector):
             for s in window.suggestions:
                 g.add_metric(base + [s.kernel], float(s.expected_gain))
             yield g
+            # the ranking (existing fixes first, then by expected gain) is not the order of the gains: the
+            # alert rules name the first suggestion through this gauge, as the in-process engine does
+            g = GaugeMetricFamily(M.SUGGESTION_ORDER, "Position of a remedy in the agent's ranking of the last "
+                                  "window (1 = first: existing fixes first, then by expected gain)",
+                                  labels=["run", "rank", "kernel"])
+            for i, s in enumerate(window.suggestions, 1):
+                g.add_metric(base + [s.kernel], float(i))
+            yield g
             yield self._gauge(M.KERNELS_PER_STEP, "GPU kernels launched per optimizer step (last window)",
                               window.kernels_per_step)
             yield self._gauge(M.MEAN_KERNEL_DURATION_SECONDS, "Mean GPU kernel duration (last window)",

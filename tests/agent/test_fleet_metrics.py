@@ -70,7 +70,8 @@ def budget(top_k: int, suggestions: int, reasons: int) -> int:
         + 1  # hang_info (only while a step is stuck; counted as present)
         + 1 + 1  # phase_in_progress, last_phase_end_timestamp_seconds (0 before the first phase)
         + 2 * 2  # implausible_ratio_total{ratio="mfu"|"hfu"} (+ _created): at 0 from the start
-        + len(CATEGORIES) + 1 + top_k + suggestions + 2  # window: breakdown, memory-bound, ops, gains, 2 gauges
+        + len(CATEGORIES) + 1 + top_k + 2 * suggestions + 2  # window: breakdown, memory-bound, ops, gains and
+        # their order, 2 gauges
         + 11 + 1 + reasons + 1 + 2  # NVML gauges, energy counter, clock reasons, xid, ecc{type}
         + 6 + 1  # exporter_requests_total{code} of 200, 400, 401, 404, 405, 431; exporter_server_cpu_seconds_total
         # (exporter_dropped_connections_total{reason}: none in a healthy run)

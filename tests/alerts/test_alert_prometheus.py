@@ -29,8 +29,12 @@ CASES = {
     "MfuRegression": ([(f"mfuwatch_mfu_ratio{{{S}}}", "0.5x69 0.3x30")], "85m", "0", 0.3 / 0.5,
                       "mfuwatch-training-mfu", "79m"),
     "MemoryBoundDominant": ([(f"mfuwatch_memory_bound_share_ratio{{{S}}}", "0.62x10"),
+                             # the agent ranks the existing fix first although the drop-in's gain is larger:
+                             # the page names torch_compile, as the engine does (topk of the gains would not)
                              (f'mfuwatch_suggestion_expected_gain_ratio{{{S},kernel="rms_norm"}}', "0.123x10"),
-                             (f'mfuwatch_suggestion_expected_gain_ratio{{{S},kernel="torch_compile"}}', "0.05x10")],
+                             (f'mfuwatch_suggestion_expected_gain_ratio{{{S},kernel="torch_compile"}}', "0.05x10"),
+                             (f'mfuwatch_suggestion_order{{{S},kernel="torch_compile"}}', "1x10"),
+                             (f'mfuwatch_suggestion_order{{{S},kernel="rms_norm"}}', "2x10")],
                             "6m", "0", 0.62, "mfuwatch-training-mfu", "4m"),  # for: 5m
     # last step at t=60 s; at 10 min nothing has moved for 540 s
     "TrainingStalled": ([(f"mfuwatch_last_step_timestamp_seconds{{{S}}}", "60x20")], "10m", "0", 540.0,
@@ -112,7 +116,7 @@ def test_promtool_check_rules(promtool):
 
 
 def expected_annotations(rule, rank: str, value: float, uid: str) -> dict:
-    suggestion = ("rms_norm", 0.123) if rule.name == "MemoryBoundDominant" else None
+    suggestion = ("torch_compile", 0.05) if rule.name == "MemoryBoundDominant" else None
     labels = {"run": "r", "rank": rank}
     out = {k: t.render(value=value, labels=labels, static=rule.static(), suggestion=suggestion)
            for k, t in rule.annotations.items()}

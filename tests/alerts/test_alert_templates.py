@@ -40,7 +40,10 @@ def test_to_go_uses_value_labels_and_query():
     go = t.to_go(STATIC)
     assert go.startswith('{{ $value | humanizePercentage }} {{ $value | humanizeDuration }} '
                          '{{ $value | printf "%.4g" }} {{ $labels.run }} 40% {{ "{" }}x} ')
-    assert 'topk(1, mfuwatch_suggestion_expected_gain_ratio{run=%q,rank=%q})' in go
+    # the first-ranked suggestion (mfuwatch_suggestion_order 1), not the largest gain
+    assert ('mfuwatch_suggestion_expected_gain_ratio{run=%q,rank=%q} and on(kernel) '
+            'bottomk(1, mfuwatch_suggestion_order{run=%q,rank=%q})') in go
+    assert "topk" not in go
     assert "{{ .Labels.kernel }}" in go
 
 

@@ -31,6 +31,7 @@ KNOWN_UNITS = {"percentunit", "flops", "s", "short", "none", "bytes", "watt", "c
 #: Metrics of schema.M on no dashboard, and why.
 NOT_ON_DASHBOARDS = {
     M.PROFILE_WINDOWS_TOTAL: "agent self-monitoring; counted for the alert rules and the logs",
+    M.SUGGESTION_ORDER: "read by the MemoryBoundDominant rule (its Top suggestion); the remedies table shows the gains",
     M.AGENT_ERRORS_TOTAL: "agent self-monitoring; has no series in a healthy run",
     M.IMPLAUSIBLE_RATIO_TOTAL: "0 in a sound run; read by the MfuImplausible rule, which pages on any increase",
     M.SIGNALS_TOTAL: "has a series only in the last moments of a preempted run (its timeline records the signal)",
