@@ -254,6 +254,15 @@ def _task_cpus(pid) -> dict:
     return out
 
 
+def _comm(pid, tid) -> str:
+    """The kernel's name of a task that is not a Python thread (CUDA's and torch's threads name themselves)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "other"
+
+
 def _per_cpu(path: str, cpu: int) -> dict:
     """The column of CPU ``cpu`` in /proc/softirqs or /proc/interrupts: {row label: count}."""
     out = {}
@@ -275,7 +284,7 @@ class Probe:
 
     The training thread: CPU time (``run``) and run-queue wait (``wait``: runnable but another task had its
     CPU) from schedstat, voluntary and involuntary context switches; every task of the process: CPU time,
-    by thread name (tasks that are not Python threads, e.g. CUDA's, are ``other``); the training CPU's
+    by thread name (the kernel's name for tasks that are not Python threads: torch's autograd worker, CUDA's); the training CPU's
     softirqs (by kind) and interrupts; the server child's and the control server's CPU time; the publisher
     thread's wake-ups, renders, lines read from the child and frames sent to it.
     """
@@ -289,7 +298,7 @@ class Probe:
         threads: dict = {}
         for tid in os.listdir(f"/proc/{self.pid}/task"):
             t = int(tid)
-            name = "training" if t == self.tid else names.get(t, "other")
+            name = "training" if t == self.tid else names.get(t) or _comm(self.pid, t)
             threads[name] = threads.get(name, 0) + _task_sched(self.pid, t)[0]
         run, wait = _task_sched(self.pid, self.tid)
         vol, invol = _task_ctx(self.pid, self.tid)
@@ -531,7 +540,7 @@ def main() -> int:
         if args.max_seconds and i and time.monotonic() - t_start > args.max_seconds:
             break
         rounds += 1
-        for name in names:
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each round starts one later: no fixed order
             n, mode = CONFIGS[name]
             a = acc[name]
             cur[0] = name
@@ -586,6 +595,8 @@ def main() -> int:
             "probe_base": _median_rates(a["probe_base"]), "probe_load": _median_rates(a["probe_load"]),
         }
         print(f"{name}: {results[name]}", flush=True)
+    if child_pid is not None:
+        print("server child's tasks at the end (allowed, last ran on):", _task_cpus(child_pid), flush=True)
     agent.close()
     if static is not None:
         static.communicate(input="", timeout=10)
