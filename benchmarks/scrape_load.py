@@ -17,6 +17,18 @@ and open-descriptor counts (training process + server child).
 ``--mode process`` (default) serves from the server child process (``exporter_server: process``),
 ``--mode thread`` from the in-process event-loop thread.
 
+``--server-cpu N`` places the server child on CPU N with ``exporter_server_cpus`` (every thread of it);
+``--server-cpu-main-only`` instead moves only its main thread from outside, as runs 2 and 3 did by mistake
+(the loop thread, which serves, stayed on the training CPU). ``10static`` is a control that is not
+mfuwatch: 10 scrapers as fast as they can against a trivial ``http.server`` in another process (on
+``--server-cpu``), serving bytes of the exposition's size.
+
+Where the time goes: per arm (idle and loaded) a :class:`Probe` reads the training thread's CPU time and
+run-queue wait (schedstat) and context switches, every thread's CPU time by name, the training CPU's
+interrupts and softirqs, and the publisher thread's wake-ups, renders and the lines it read from the child;
+the second table prints their medians, idle -> loaded. A third prints a 95% bootstrap interval of each
+median pair ratio; ``--pool A.json B.json`` pools the pair ratios of several runs.
+
 ``--server prometheus_client`` serves the same registry with ``prometheus_client.start_http_server`` instead
 (what the agent did before #28), for the before/after comparison.
 
@@ -364,6 +376,20 @@ def _iqr(xs: list) -> str:
     return f"{(q[0] - 1) * 100:+.1f}..{(q[2] - 1) * 100:+.1f}%"
 
 
+def pool(paths: list) -> int:
+    """Pool the pair ratios of several ``scrape_load_*.json`` files (same command, separate runs) per configuration."""
+    ratios: dict = {}
+    for p in paths:
+        for name, r in json.loads(Path(p).read_text())["results"].items():
+            ratios.setdefault(name, []).extend(r["ratios"])
+    print(f"pooled over {len(paths)} files: cost = median pair ratio - 1, IQR, 95% bootstrap interval of the median")
+    for name, xs in ratios.items():
+        lo, hi = _boot_ci(xs)
+        ci = f"[{(lo - 1) * 100:+.2f}..{(hi - 1) * 100:+.2f}%]" if lo is not None else "n/a"
+        print(f"  {name:<14} {(statistics.median(xs) - 1) * 100:+.2f}%  IQR {_iqr(xs):>16}  CI {ci:>18}  ({len(xs)} pairs)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -385,15 +411,20 @@ def main() -> int:
     ap.add_argument("--train-cpu", type=int, default=0)
     ap.add_argument("--scrape-cpu", type=int, default=1)
     ap.add_argument("--server-cpu", type=int, default=-1,
-                    help="pin the server child to this CPU (-1: it inherits the training process's affinity, the default "
-                         "behaviour); with the scrapers' CPU, a control that leaves the training core no server work")
+                    help="pin the server child (every thread: exporter_server_cpus) and the static control server to "
+                         "this CPU (-1: they inherit the training process's affinity, the default behaviour)")
     ap.add_argument("--token", default="", help="bearer token the exporter requires (mfuwatch server)")
     ap.add_argument("--server-cpu-main-only", action="store_true",
                     help="with --server-cpu: move only the child's main thread from outside (what run 3 did, so its "
                          "loop thread stayed on the training CPU) instead of exporter_server_cpus")
     ap.add_argument("--scraper", nargs=4, metavar=("N", "MODE", "HOST", "PORT"), help=argparse.SUPPRESS)
     ap.add_argument("--static-server", type=int, metavar="NBYTES", help=argparse.SUPPRESS)
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="print the pair ratios of these result files pooled per configuration (median, IQR, 95%% "
+                         "bootstrap interval of the median) and exit")
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
     if args.static_server is not None:
         if args.server_cpu >= 0:
             pin(args.server_cpu)
@@ -583,7 +614,7 @@ def main() -> int:
             "load_step_ms": round(statistics.median(a["load"]) * 1e3, 3),
             "scrapes_per_s": round(ok / (len(stats) * (args.toggle * (args.arm_seconds + 0.05) if args.toggle and
                                                        CONFIGS[name][1] != "halfopen" else args.block_seconds)), 1), "failed": sum(s["failed"] for s in stats),
-            "p50_ms": statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]),
+            "p50_ms": round(statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]), 2),
             "p99_ms": max([s["p99_ms"] for s in stats if s["p99_ms"] is not None] or [0]),
             "threads": max(a["threads"]), "child_threads": max(a["child_threads"]) if a["child_threads"] else None,
             "fds": max(a["fds"]), "child_fds": max(a["child_fds"]) if a["child_fds"] else None,

@@ -22,8 +22,9 @@ Design (the choices, and why):
   pid moves its main thread only; the loop thread, which does all the serving, would stay put). Where it
   shares a core with the training thread, the scheduler favours training, but its loop still takes up
   to ``exporter_max_cpu_share`` of that core and preempts the training thread at each wake-up (on the
-  H200, 10 scrapers as fast as they can cost a launch-bound step about 4% this way:
-  docs/gpu-runs/scrape_load-run4.md); a job pinned to few cores should name another one here.
+  H200, 10 scrapers as fast as they can cost a launch-bound step +5.5% this way, 95% CI +3.5..+8.2%, and
+  +0.5% with the child on another core: docs/gpu-runs/scrape_load-run4.md); a job pinned to few cores
+  should name another one here.
 * **Settings, secrets included, over its stdin pipe** (one JSON frame; never ``argv`` or the
   environment, which other users can read in ``/proc``). The child binds (``port`` 0 works; a busy port
   tries the next ones, as the thread server does) and answers one line on its stdout, ``port N`` or
