@@ -16,7 +16,7 @@ Fields (on :class:`~mfuwatch.agent.config.AgentConfig`):
 ``exporter_server_cpus``             the CPUs the server child runs on (``exporter_server: process``):
                                      ``null`` (default: the training process's affinity, inherited), a list of
                                      CPU numbers or a string of them and ranges (``"8-11,14"``), each in
-                                     ``0..os.cpu_count()-1``
+                                     ``0..os.cpu_count()-1``; not with ``exporter_server: thread``
 ``preemption_signals``               signal names that close the agent before their previous handler runs
                                      (``[]`` = none); accepted: :data:`PREEMPTION_SIGNALS`
 ``preemption_timeout_seconds``       the bound on that close (> 0)
@@ -73,6 +73,9 @@ def validate_live(cfg: Any, error: Type[Exception]) -> None:
         raise error(f"exporter_server: expected one of {', '.join(EXPORTER_SERVERS)}, got {v!r}")
     cfg.exporter_server = v.strip().lower()
     cfg.exporter_server_cpus = parse_cpus(cfg.exporter_server_cpus, error)
+    if cfg.exporter_server_cpus is not None and cfg.exporter_server == "thread":
+        raise error("exporter_server_cpus: applies to the server child only (exporter_server: process); the thread "
+                    "server runs inside the training process: remove one of the two")
     sigs = cfg.preemption_signals
     if sigs in (None, False):
         sigs = []

@@ -520,6 +520,8 @@ def test_exporter_server_cpus_setting_is_parsed_checked_and_reaches_the_child():
             parse_cpus(bad, ConfigError)
     with pytest.raises(ConfigError, match=r"exporter_server_cpus: CPU"):
         Agent(config=dict(_BASE, exporter_server_cpus=[n + 3]))
+    with pytest.raises(ConfigError, match=r"exporter_server_cpus: applies to the server child only"):
+        Agent(config=dict(_BASE, exporter_server="thread", exporter_server_cpus=[0]))
     cpu = max(os.sched_getaffinity(0))
     a = Agent(config=dict(_BASE, exporter_server_cpus=str(cpu)))
     try:
