@@ -111,6 +111,7 @@ class AgentConfig:
     exporter_render_interval_seconds: float = 0.5  # exposition rendered at most 2x a second (and per report)
     exporter_max_cpu_share: float = 0.03  # the server loop's CPU time at most 3% of wall time, however many clients
     exporter_server: str = "process"  # "process": a server child answers scrapes (no GIL time); "thread": in-process
+    exporter_server_cpus: Any = None  # the server child's CPUs ([11], "8-11"); null: the training process's affinity
     preemption_signals: Any = field(default_factory=lambda: ["SIGTERM"])  # close, then the previous handler
     preemption_timeout_seconds: float = 2.0  # the close on a signal takes at most this; Slurm/K8s grace is >= 30 s
 

@@ -165,7 +165,8 @@ class Agent:
                     auth=auth_from_config(cfg.exporter_auth, ConfigError),
                     max_connections=cfg.exporter_max_connections, read_timeout_s=cfg.exporter_read_timeout_seconds,
                     handshake_timeout_s=cfg.tls_handshake_timeout_seconds, max_cpu_share=cfg.exporter_max_cpu_share,
-                    render_interval_s=cfg.exporter_render_interval_seconds, mode=cfg.exporter_server)
+                    render_interval_s=cfg.exporter_render_interval_seconds, mode=cfg.exporter_server,
+                    server_cpus=cfg.exporter_server_cpus)
                 self.run_info.exporter_url = self.exporter_url
             except OSError as exc:
                 self.errors.count("exporter", exc)

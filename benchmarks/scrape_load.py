@@ -17,6 +17,18 @@ and open-descriptor counts (training process + server child).
 ``--mode process`` (default) serves from the server child process (``exporter_server: process``),
 ``--mode thread`` from the in-process event-loop thread.
 
+``--server-cpu N`` places the server child on CPU N with ``exporter_server_cpus`` (every thread of it);
+``--server-cpu-main-only`` instead moves only its main thread from outside, as runs 2 and 3 did by mistake
+(the loop thread, which serves, stayed on the training CPU). ``10static`` is a control that is not
+mfuwatch: 10 scrapers as fast as they can against a trivial ``http.server`` in another process (on
+``--server-cpu``), serving bytes of the exposition's size.
+
+Where the time goes: per arm (idle and loaded) a :class:`Probe` reads the training thread's CPU time and
+run-queue wait (schedstat) and context switches, every thread's CPU time by name, the training CPU's
+interrupts and softirqs, and the publisher thread's wake-ups, renders and the lines it read from the child;
+the second table prints their medians, idle -> loaded. A third prints a 95% bootstrap interval of each
+median pair ratio; ``--pool A.json B.json`` pools the pair ratios of several runs.
+
 ``--server prometheus_client`` serves the same registry with ``prometheus_client.start_http_server`` instead
 (what the agent did before #28), for the before/after comparison.
 
@@ -46,7 +58,39 @@ import threading
 import time
 from pathlib import Path
 
-CONFIGS = {"50x1hz": (50, "1hz"), "10max": (10, "max"), "200max": (200, "max"), "1000halfopen": (1000, "halfopen")}
+CONFIGS = {"50x1hz": (50, "1hz"), "10max": (10, "max"), "200max": (200, "max"), "1000halfopen": (1000, "halfopen"),
+           "10static": (10, "max")}
+#: configurations whose scrapers hit a trivial static server (another process, not mfuwatch's), not the agent
+STATIC = {"10static"}
+
+
+# ----------------------------------------------------------------------------------------- static server process
+def static_main(nbytes: int) -> None:
+    """The control's server: ``http.server`` answering every GET with the same ``nbytes`` bytes (keep-alive), a
+    thread per connection, no CPU cap. Prints its port, serves until stdin's EOF."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = (b"# static control\n" + b"x" * max(0, nbytes - 18) + b"\n")[:max(1, nbytes)]
+
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):  # quiet
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    print(srv.server_address[1], flush=True)
+    sys.stdin.read()
+    srv.shutdown()
 
 
 # ----------------------------------------------------------------------------------------- scraper process
@@ -177,6 +221,148 @@ def _proc_fds(pid) -> int:
         return 0
 
 
+# ----------------------------------------------------------------------------------------- where the time goes
+def _task_sched(pid, tid) -> tuple:
+    """(run ns, run-queue wait ns) of a task from /proc/PID/task/TID/schedstat (0, 0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            run, wait, _slices = f.read().split()
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _task_ctx(pid, tid) -> tuple:
+    """(voluntary, involuntary) context switches of a task (/proc/PID/task/TID/status)."""
+    v = nv = 0
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches"):
+                    v = int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches"):
+                    nv = int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return v, nv
+
+
+def _task_cpus(pid) -> dict:
+    """{tid: (allowed CPUs as the kernel lists them, the CPU it last ran on)} for every task of ``pid``."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                allowed = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("Cpus_allowed_list")), "?")
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                last = int(f.read().rsplit(")", 1)[1].split()[36])
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(tid)] = (allowed, last)
+    return out
+
+
+def _comm(pid, tid) -> str:
+    """The kernel's name of a task that is not a Python thread (CUDA's and torch's threads name themselves)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "other"
+
+
+def _per_cpu(path: str, cpu: int) -> dict:
+    """The column of CPU ``cpu`` in /proc/softirqs or /proc/interrupts: {row label: count}."""
+    out = {}
+    try:
+        with open(path) as f:
+            head = f.readline().split()
+            col = head.index(f"CPU{cpu}")
+            for line in f:
+                parts = line.split()
+                if len(parts) > col + 1 and parts[col + 1].isdigit():
+                    out[parts[0].rstrip(":")] = int(parts[col + 1])
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+class Probe:
+    """Counters of the training process read before and after an arm; :meth:`rates` gives them per wall second.
+
+    The training thread: CPU time (``run``) and run-queue wait (``wait``: runnable but another task had its
+    CPU) from schedstat, voluntary and involuntary context switches; every task of the process: CPU time,
+    by thread name (the kernel's name for tasks that are not Python threads: torch's autograd worker, CUDA's); the training CPU's
+    softirqs (by kind) and interrupts; the server child's and the control server's CPU time; the publisher
+    thread's wake-ups, renders, lines read from the child and frames sent to it.
+    """
+
+    def __init__(self, train_cpu: int, srv, pids: dict) -> None:
+        self.cpu, self.srv, self.pids = train_cpu, srv, pids
+        self.pid, self.tid = os.getpid(), threading.get_native_id()
+
+    def snap(self) -> dict:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        threads: dict = {}
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            t = int(tid)
+            name = "training" if t == self.tid else names.get(t) or _comm(self.pid, t)
+            threads[name] = threads.get(name, 0) + _task_sched(self.pid, t)[0]
+        run, wait = _task_sched(self.pid, self.tid)
+        vol, invol = _task_ctx(self.pid, self.tid)
+        srv = self.srv
+        s = {"t": time.perf_counter(), "run": run, "wait": wait, "vcsw": vol, "ivcsw": invol,
+             "threads": threads, "softirq": _per_cpu("/proc/softirqs", self.cpu),
+             "irq": sum(_per_cpu("/proc/interrupts", self.cpu).values())}
+        for k, pid in self.pids.items():
+            s[k] = _proc_cpu(pid) if pid is not None else 0.0
+        if srv is not None and hasattr(srv, "wakeups"):
+            s.update(wakeups=srv.wakeups, renders=srv.renders, frames=srv.frames_sent,
+                     lines=sum(srv.lines_received.values()))
+        return s
+
+    @staticmethod
+    def rates(a: dict, b: dict) -> dict:
+        """Per wall second between snapshots ``a`` and ``b`` (times as shares of a second, counts as counts)."""
+        dt = b["t"] - a["t"]
+        r = {"wait": (b["wait"] - a["wait"]) / 1e9 / dt, "run": (b["run"] - a["run"]) / 1e9 / dt}
+        for k in ("vcsw", "ivcsw", "irq", "wakeups", "renders", "frames", "lines"):
+            if k in a:
+                r[k] = (b[k] - a[k]) / dt
+        for k in ("child_cpu", "static_cpu"):
+            if k in a:
+                r[k] = (b[k] - a[k]) / dt
+        r["softirq"] = {k: (b["softirq"].get(k, 0) - v) / dt for k, v in a["softirq"].items()}
+        r["threads"] = {k: (b["threads"].get(k, 0) - v) / 1e9 / dt for k, v in a["threads"].items()}
+        return r
+
+
+def _median_rates(rs: list) -> dict:
+    """The per-key median of a list of :meth:`Probe.rates` dicts (nested dicts key by key)."""
+    if not rs:
+        return {}
+    out = {}
+    for k, v in rs[0].items():
+        if isinstance(v, dict):
+            out[k] = {kk: round(statistics.median(r[k].get(kk, 0.0) for r in rs), 6) for kk in v}
+        else:
+            out[k] = round(statistics.median(r.get(k, 0.0) for r in rs), 6)
+    return out
+
+
+def _boot_ci(xs: list, n: int = 4000, seed: int = 0) -> tuple:
+    """A 95% percentile-bootstrap interval of the median of ``xs`` (``n`` resamples): (lo, hi) or (None, None)."""
+    if len(xs) < 4:
+        return None, None
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
 def _spread(xs: list) -> str:
     """min..max of a list of ratios, as percentages of cost."""
     return f"{(min(xs) - 1) * 100:+.1f}..{(max(xs) - 1) * 100:+.1f}%" if xs else "n/a"
@@ -188,6 +374,20 @@ def _iqr(xs: list) -> str:
         return "n/a"
     q = statistics.quantiles(xs, n=4)
     return f"{(q[0] - 1) * 100:+.1f}..{(q[2] - 1) * 100:+.1f}%"
+
+
+def pool(paths: list) -> int:
+    """Pool the pair ratios of several ``scrape_load_*.json`` files (same command, separate runs) per configuration."""
+    ratios: dict = {}
+    for p in paths:
+        for name, r in json.loads(Path(p).read_text())["results"].items():
+            ratios.setdefault(name, []).extend(r["ratios"])
+    print(f"pooled over {len(paths)} files: cost = median pair ratio - 1, IQR, 95% bootstrap interval of the median")
+    for name, xs in ratios.items():
+        lo, hi = _boot_ci(xs)
+        ci = f"[{(lo - 1) * 100:+.2f}..{(hi - 1) * 100:+.2f}%]" if lo is not None else "n/a"
+        print(f"  {name:<14} {(statistics.median(xs) - 1) * 100:+.2f}%  IQR {_iqr(xs):>16}  CI {ci:>18}  ({len(xs)} pairs)")
+    return 0
 
 
 def main() -> int:
@@ -211,11 +411,25 @@ def main() -> int:
     ap.add_argument("--train-cpu", type=int, default=0)
     ap.add_argument("--scrape-cpu", type=int, default=1)
     ap.add_argument("--server-cpu", type=int, default=-1,
-                    help="pin the server child to this CPU (-1: it inherits the training process's affinity, the default "
-                         "behaviour); with the scrapers' CPU, a control that leaves the training core no server work")
+                    help="pin the server child (every thread: exporter_server_cpus) and the static control server to "
+                         "this CPU (-1: they inherit the training process's affinity, the default behaviour)")
     ap.add_argument("--token", default="", help="bearer token the exporter requires (mfuwatch server)")
+    ap.add_argument("--server-cpu-main-only", action="store_true",
+                    help="with --server-cpu: move only the child's main thread from outside (what run 3 did, so its "
+                         "loop thread stayed on the training CPU) instead of exporter_server_cpus")
     ap.add_argument("--scraper", nargs=4, metavar=("N", "MODE", "HOST", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--static-server", type=int, metavar="NBYTES", help=argparse.SUPPRESS)
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="print the pair ratios of these result files pooled per configuration (median, IQR, 95%% "
+                         "bootstrap interval of the median) and exit")
     args = ap.parse_args()
+    if args.pool:
+        return pool(args.pool)
+    if args.static_server is not None:
+        if args.server_cpu >= 0:
+            pin(args.server_cpu)
+        static_main(args.static_server)
+        return 0
     if args.scraper:
         pin(args.scrape_cpu)
         n, mode, host, port = args.scraper
@@ -229,6 +443,8 @@ def main() -> int:
     step, tokens = make_step(args.device, args.batch, args.seq)
     cfg = dict(run="scrape-load", nvml=False, profile_every="off", alerts=False, flops_per_step=1e9, port=0,
                progress=False, exporter=args.server == "mfuwatch", exporter_server=args.mode)
+    if args.server_cpu >= 0 and not args.server_cpu_main_only:
+        cfg["exporter_server_cpus"] = [args.server_cpu % os.cpu_count()]
     if args.token:
         os.environ["MFUWATCH_BENCH_TOKEN"] = args.token
         cfg["exporter_auth"] = {"type": "bearer", "token_env": "MFUWATCH_BENCH_TOKEN"}
@@ -245,8 +461,22 @@ def main() -> int:
         mode_used = "prometheus_client"
     srv = getattr(agent.exporter, "_server", None)
     child_pid = getattr(srv, "pid", None) if mode_used == "process" else None
-    if child_pid is not None and args.server_cpu >= 0:
-        os.sched_setaffinity(child_pid, {args.server_cpu % os.cpu_count()})
+    if child_pid is not None and args.server_cpu >= 0 and args.server_cpu_main_only:
+        os.sched_setaffinity(child_pid, {args.server_cpu % os.cpu_count()})  # the main thread only
+    static = None
+    from prometheus_client import generate_latest
+
+    if any(c in STATIC for c in args.configs.split(",")):
+        static = subprocess.Popen([sys.executable, __file__, "--server-cpu", str(args.server_cpu), "--static-server",
+                                   str(len(generate_latest(agent.exporter.exposed_registry)))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        static_port = int(static.stdout.readline())
+    placement = {f"child {tid}": v for tid, v in _task_cpus(child_pid).items()} if child_pid else {}
+    if static is not None:
+        placement.update({f"static {tid}": v for tid, v in _task_cpus(static.pid).items()})
+    placement.update({f"training-process {tid}": v for tid, v in _task_cpus(os.getpid()).items()})
+    print("CPU affinity (allowed, last ran on) per task:", placement, flush=True)
+    probe = Probe(args.train_cpu, srv if mode_used == "process" else None,
+                  {"child_cpu": child_pid, "static_cpu": static.pid if static is not None else None})
     for _ in range(50):  # warm-up
         step()
         agent.step(tokens=tokens)
@@ -264,13 +494,15 @@ def main() -> int:
         return walls, cpus
 
     def server_cpu() -> float:
+        if static is not None and cur[0] in STATIC:
+            return _proc_cpu(static.pid)
         if child_pid is not None:
             return _proc_cpu(child_pid)
         return srv.cpu_seconds if srv is not None and mode_used == "thread" else 0.0
 
-    def scrapers(n: int, mode: str):
+    def scrapers(n: int, mode: str, to_port: int):
         proc = subprocess.Popen([sys.executable, __file__, "--scrape-cpu", str(args.scrape_cpu), "--token",
-                                 args.token, "--scraper", str(n), mode, "127.0.0.1", str(port)],
+                                 args.token, "--scraper", str(n), mode, "127.0.0.1", str(to_port)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(0.5 if mode != "1hz" else 1.2)  # all scrapers in their steady state
@@ -301,7 +533,7 @@ def main() -> int:
         import signal
 
         n, mode = CONFIGS[name]
-        proc = scrapers(n, mode)
+        proc = scrapers(n, mode, static_port if name in STATIC else port)
         os.kill(proc.pid, signal.SIGSTOP)
         for j in range(args.toggle):
             order = ("base", "load") if (i + j) % 2 == 0 else ("load", "base")
@@ -311,7 +543,9 @@ def main() -> int:
                     os.kill(proc.pid, signal.SIGCONT)
                     time.sleep(0.05)  # the requests pending at the stop are answered
                     mark = load_mark()
+                p0 = probe.snap()
                 w, c = block(args.arm_seconds)
+                a["probe_" + kind].append(Probe.rates(p0, probe.snap()))
                 meds[kind] = (statistics.median(w), statistics.median(c))
                 if kind == "load":
                     record_load(a, mark)
@@ -328,16 +562,19 @@ def main() -> int:
 
     names = [c for c in args.configs.split(",") if c]
     acc = {name: {"ratios": [], "cpu_ratios": [], "base": [], "load": [], "stats": [], "threads": [], "child_threads": [],
-                  "fds": [], "child_fds": [], "server_share": [], "train_share": [], "render_share": []}
+                  "fds": [], "child_fds": [], "server_share": [], "train_share": [], "render_share": [],
+                  "probe_base": [], "probe_load": []}
            for name in names}
     rounds = 0
+    cur = [None]
     for i in range(args.pairs):  # rounds: every configuration once per round (interleaved), ABBA within a pair
         if args.max_seconds and i and time.monotonic() - t_start > args.max_seconds:
             break
         rounds += 1
-        for name in names:
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each round starts one later: no fixed order
             n, mode = CONFIGS[name]
             a = acc[name]
+            cur[0] = name
             if args.toggle and mode != "halfopen":
                 toggled(name, a, i)
                 continue
@@ -345,12 +582,16 @@ def main() -> int:
             meds = {}
             for kind in order:
                 if kind == "base":
+                    p0 = probe.snap()
                     w, c = block(args.block_seconds)
+                    a["probe_base"].append(Probe.rates(p0, probe.snap()))
                     meds[kind] = (statistics.median(w), statistics.median(c))
                     continue
-                proc = scrapers(n, mode)
+                proc = scrapers(n, mode, static_port if name in STATIC else port)
                 mark = load_mark()
+                p0 = probe.snap()
                 w, c = block(args.block_seconds)
+                a["probe_load"].append(Probe.rates(p0, probe.snap()))
                 meds[kind] = (statistics.median(w), statistics.median(c))
                 record_load(a, mark)
                 out, _ = proc.communicate(input="", timeout=60)
@@ -373,15 +614,23 @@ def main() -> int:
             "load_step_ms": round(statistics.median(a["load"]) * 1e3, 3),
             "scrapes_per_s": round(ok / (len(stats) * (args.toggle * (args.arm_seconds + 0.05) if args.toggle and
                                                        CONFIGS[name][1] != "halfopen" else args.block_seconds)), 1), "failed": sum(s["failed"] for s in stats),
-            "p50_ms": statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]),
+            "p50_ms": round(statistics.median([s["p50_ms"] for s in stats if s["p50_ms"] is not None] or [0]), 2),
             "p99_ms": max([s["p99_ms"] for s in stats if s["p99_ms"] is not None] or [0]),
             "threads": max(a["threads"]), "child_threads": max(a["child_threads"]) if a["child_threads"] else None,
             "fds": max(a["fds"]), "child_fds": max(a["child_fds"]) if a["child_fds"] else None,
             "server_cpu_share": med(a["server_share"]), "train_process_cpu_share": med(a["train_share"]),
             "render_cpu_share": med(a["render_share"]), "pairs": len(a["ratios"]),
+            "cost_ci95": [None if x is None else round(x - 1.0, 5) for x in _boot_ci(a["ratios"])],
+            "cost_iqr": ([round(q - 1.0, 5) for q in statistics.quantiles(a["ratios"], n=4)]
+                         if len(a["ratios"]) >= 4 else None),
+            "probe_base": _median_rates(a["probe_base"]), "probe_load": _median_rates(a["probe_load"]),
         }
         print(f"{name}: {results[name]}", flush=True)
+    if child_pid is not None:
+        print("server child's tasks at the end (allowed, last ran on):", _task_cpus(child_pid), flush=True)
     agent.close()
+    if static is not None:
+        static.communicate(input="", timeout=10)
     if legacy is not None:
         legacy[0].shutdown()
     print(f"\nserver={args.server} mode={mode_used} device={args.device} pairs={rounds} block={args.block_seconds}s "
@@ -404,11 +653,43 @@ def main() -> int:
               f"{r['p50_ms']:>8} {r['p99_ms']:>8} {thr:>8} {fds:>9} {sc:>10} {tc:>10} {r['pairs']:>6} "
               f"{_iqr(acc[k]['ratios']):>16} "
               + (f"{r['render_cpu_share'] * 100:.3f}%" if r["render_cpu_share"] is not None else "n/a").rjust(10))
+    print("\nwhere the time goes (medians over arms, per wall second, none -> load): training thread's run-queue "
+          "wait (runnable, another task on its CPU) and CPU time, its voluntary/involuntary context switches, the "
+          "training CPU's interrupts and NET_RX+NET_TX / TIMER / SCHED softirqs, the publisher's wake-ups, lines from "
+          "the child and renders, the server's CPU (child or static control), the CPU time of the process's other "
+          "threads")
+    print(f"{'config':<14} {'train wait':>15} {'train run':>15} {'vol csw':>11} {'invol csw':>11} {'irq':>11} "
+          f"{'net softirq':>12} {'timer':>11} {'sched':>11} {'wakeups':>9} {'lines':>9} {'renders':>9} "
+          f"{'server CPU':>10}  other threads' CPU (load)")
+    for k, r in results.items():
+        b, lo = r["probe_base"], r["probe_load"]
+        if not lo:
+            continue
+
+        def pair(key, fmt="{:.0f}", sub=None):
+            x = (b.get(sub, {}) if sub else b).get(key, 0.0)
+            y = (lo.get(sub, {}) if sub else lo).get(key, 0.0)
+            return f"{fmt.format(x)}->{fmt.format(y)}"
+
+        net = lambda d: d.get("softirq", {}).get("NET_RX", 0.0) + d.get("softirq", {}).get("NET_TX", 0.0)  # noqa: E731
+        srv_key = "static_cpu" if k in STATIC else "child_cpu"
+        others = ", ".join(f"{n} {v * 100:.2f}%" for n, v in sorted(lo.get("threads", {}).items()) if n != "training")
+        print(f"{k:<14} {pair('wait', '{:.2%}'):>15} {pair('run', '{:.1%}'):>15} {pair('vcsw'):>11} {pair('ivcsw'):>11} "
+              f"{pair('irq'):>11} {f'{net(b):.0f}->{net(lo):.0f}':>12} {pair('TIMER', sub='softirq'):>11} "
+              f"{pair('SCHED', sub='softirq'):>11} {pair('wakeups', '{:.1f}'):>9} {pair('lines', '{:.1f}'):>9} "
+              f"{pair('renders', '{:.1f}'):>9} {pair(srv_key, '{:.2%}'):>10}  {others}")
+    print("\ncost with a 95% bootstrap interval of the median pair ratio:")
+    for k, r in results.items():
+        lo_, hi_ = r["cost_ci95"]
+        ci = f"[{lo_ * 100:+.2f}..{hi_ * 100:+.2f}%]" if lo_ is not None else "n/a"
+        print(f"  {k:<14} {r['cost'] * 100:+.2f}% {ci} ({r['pairs']} pairs)")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"_cpu{args.server_cpu}" if args.server_cpu >= 0 and child_pid is not None else ""
+    tag = (f"_cpu{args.server_cpu}" + ("main" if args.server_cpu_main_only else "")
+           if args.server_cpu >= 0 and child_pid is not None else "")
     (out / f"scrape_load_{args.server}_{mode_used}{tag}_{args.device}.json").write_text(json.dumps(
-        {"args": vars(args), "mode": mode_used, "pairs": rounds, "results": results}, indent=1))
+        {"args": vars(args), "mode": mode_used, "pairs": rounds, "placement": {k: list(v) for k, v in placement.items()},
+         "results": results}, indent=1))
     return 0
 
 

@@ -349,7 +349,7 @@ class Exporter:
     def serve(self, port: int, bind: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
               tries: int = 100, *, auth: Any = None, max_connections: int = 256, read_timeout_s: float = 10.0,
               handshake_timeout_s: float = 5.0, max_cpu_share: float = 0.03,
-              render_interval_s: float = 0.5, mode: str = "process") -> str:
+              render_interval_s: float = 0.5, mode: str = "process", server_cpus: Optional[list] = None) -> str:
         """Start the HTTP(S) server on ``port`` or, if busy, the next free port (up to ``tries`` ports).
 
         ``mode="process"`` (the default): a server child process
@@ -358,7 +358,9 @@ class Exporter:
         ``render_interval_s`` seconds while scraped, after reports and events) on a publisher thread;
         when the child cannot start, the in-process server is used instead (counted as
         ``agent_errors_total{component="exporter_process"}``, logged once). ``mode="thread"``: the
-        in-process event-loop thread (:class:`~mfuwatch.agent.live.http_server.MetricsServer`). ``auth``
+        in-process event-loop thread (:class:`~mfuwatch.agent.live.http_server.MetricsServer`).
+        ``server_cpus``: the CPU numbers the server child runs on (every thread of it; ``None``: this
+        process's affinity, inherited; ignored by the thread server, which is part of this process). ``auth``
         is an :class:`~mfuwatch.agent.live.http_server.Auth` or ``None``; the other arguments bound what
         a client can hold (see :class:`~mfuwatch.agent.live.http_server.MetricsServer`).
 
@@ -386,7 +388,7 @@ class Exporter:
                                    keyfile=keyfile, auth=auth, min_interval_s=render_interval_s,
                                    max_connections=max_connections, read_timeout_s=read_timeout_s,
                                    handshake_timeout_s=handshake_timeout_s, max_cpu_share=max_cpu_share,
-                                   on_error=self._on_error)
+                                   on_error=self._on_error, cpus=server_cpus)
             try:
                 server.start()
             except ChildUnavailable as exc:

@@ -16,9 +16,15 @@ Design (the choices, and why):
   copy of such a process is unsafe. The child imports the standard library and :mod:`.http_server` only
   (no torch, no prometheus-client: from spawn to its port answer 0.13-0.16 s on the shared 2-core CPU
   machine), with ``MFUWATCH_DISABLE=1`` so that ``mfuwatch run``'s bootstrap never attaches an agent
-  to it. It runs at ``nice +10`` and inherits the parent's CPU
-  affinity: where it shares a core with the training thread, the scheduler favours training; its loop
-  is still held under ``exporter_max_cpu_share`` of one core.
+  to it. It runs at ``nice +10`` and inherits the parent's CPU affinity, unless ``cpus`` (the
+  ``exporter_server_cpus`` setting) names others: the child applies them to itself before it starts
+  its loop thread, so that every thread of it runs there (an affinity set from outside on the child's
+  pid moves its main thread only; the loop thread, which does all the serving, would stay put). Where it
+  shares a core with the training thread, the scheduler favours training, but its loop still takes up
+  to ``exporter_max_cpu_share`` of that core and preempts the training thread at each wake-up (on the
+  H200, 10 scrapers as fast as they can cost a launch-bound step +5.5% this way, 95% CI +3.5..+8.2%, and
+  +0.5% with the child on another core: docs/gpu-runs/scrape_load-run4.md); a job pinned to few cores
+  should name another one here.
 * **Settings, secrets included, over its stdin pipe** (one JSON frame; never ``argv`` or the
   environment, which other users can read in ``/proc``). The child binds (``port`` 0 works; a busy port
   tries the next ones, as the thread server does) and answers one line on its stdout, ``port N`` or
@@ -34,9 +40,15 @@ Design (the choices, and why):
   the previous bytes (at most two per interval this way); and at once after an event (a notification
   outcome, a preemption signal) and at :meth:`ProcessServer.close` (a final render before the server
   stops).
-* **Self-monitoring back over its stdout**: ``read V`` (a scrape served version V), ``want`` (fresh bytes wanted), and ``stats {json}`` (requests by status, dropped connections by reason, the child's
+* **Self-monitoring back over its stdout**: ``read V`` (a scrape served version V), ``want`` (fresh bytes
+  wanted), and ``stats {json}`` (requests by status, dropped connections by reason, the child's
   CPU seconds, the seconds its loop slept for the CPU cap) at most once a second when they changed; the
-  exporter serves them as ``mfuwatch_exporter_*`` series (:mod:`.exporter`).
+  exporter serves them as ``mfuwatch_exporter_*`` series (:mod:`.exporter`). ``affinity ERRNO MESSAGE``
+  once at start when the kernel refused ``cpus`` (counted and logged once by the parent; the child
+  serves on with the inherited affinity). The parent counts what crosses the pipes
+  (:attr:`ProcessServer.lines_received`, :attr:`~ProcessServer.frames_sent`,
+  :attr:`~ProcessServer.wakeups`) so that a benchmark can tell how often serving wakes the training
+  process.
 * **No orphan**: the child exits when its stdin reaches EOF, which happens when the parent closes it
   (:meth:`ProcessServer.close`) or dies in any way, SIGKILL included (the kernel closes the parent's
   descriptors). It ignores SIGINT, SIGTERM, SIGHUP, SIGUSR1/2 (a signal sent to the whole process group
@@ -204,6 +216,12 @@ def _child_main() -> int:
             if kind == b"C":
                 cfg = json.loads(payload.decode())
                 break
+    affinity_error = None
+    if cfg.get("cpus"):
+        try:  # before any thread starts: every thread of this process inherits it
+            os.sched_setaffinity(0, set(cfg["cpus"]))
+        except (AttributeError, OSError, ValueError) as exc:
+            affinity_error = (getattr(exc, "errno", None) or 0, f"cpus {cfg['cpus']}: {exc}")
     from .http_server import Auth, MetricsServer
 
     body_path = os.path.join(cfg["dir"], "body")
@@ -250,6 +268,8 @@ def _child_main() -> int:
         say(f"error {e} {(last_err.strerror if last_err is not None else None) or last_err}")
         return 1
     say(f"port {server.server_address[1]}")
+    if affinity_error is not None:
+        say(f"affinity {affinity_error[0]} {affinity_error[1]}")
     last_stats, last_sent = None, 0.0
     try:
         while True:
@@ -301,6 +321,9 @@ class ProcessServer:
             :class:`~.http_server.MetricsServer` and :class:`~.http_server.ExpositionCache`.
         on_error: told ``("exporter", exc)`` of a failing render or a child that died.
         start_timeout_s: the child must answer its port within this (else :class:`ChildUnavailable`).
+        cpus: CPU numbers the child (every thread of it) runs on; ``None``: this process's affinity. A set
+            the kernel refuses is reported to ``on_error`` as an ``OSError`` and the child keeps the
+            inherited affinity.
         python: the interpreter to run (default ``sys.executable``).
 
     Raises:
@@ -313,7 +336,7 @@ class ProcessServer:
                  min_interval_s: float = 0.5, max_connections: int = 256, read_timeout_s: float = 10.0,
                  handshake_timeout_s: float = 5.0, max_cpu_share: float = 0.03,
                  on_error: Optional[Callable[[str, BaseException], None]] = None,
-                 start_timeout_s: float = 10.0, python: Optional[str] = None) -> None:
+                 start_timeout_s: float = 10.0, python: Optional[str] = None, cpus: Optional[Any] = None) -> None:
         self._render = render
         self.host, self.port, self.tries = host, int(port), int(tries)
         self.min_interval_s = float(min_interval_s)
@@ -325,7 +348,7 @@ class ProcessServer:
             "auth": [auth.scheme, auth._expected.decode("latin-1")] if auth is not None else None,
             "min_interval_s": self.min_interval_s, "max_wait_s": MAX_WAIT_S, "max_connections": int(max_connections),
             "read_timeout_s": float(read_timeout_s), "handshake_timeout_s": float(handshake_timeout_s),
-            "max_cpu_share": float(max_cpu_share),
+            "max_cpu_share": float(max_cpu_share), "cpus": sorted(int(c) for c in cpus) if cpus else None,
         }
         self.proc: Optional[subprocess.Popen] = None
         self._dir: Optional[str] = None
@@ -354,6 +377,12 @@ class ProcessServer:
         self._died_reported = False
         #: server children started again after one died (at most :data:`MAX_RESTARTS`)
         self.restarts = 0
+        #: lines read from the child by kind (``read``, ``want``, ``stats``, ``affinity``), frames of new
+        #: bytes sent to it, and times the publisher thread woke up (a line, a poke or its 0.5 s timeout):
+        #: how often serving runs Python in this process (benchmarks/scrape_load.py)
+        self.lines_received: Dict[str, int] = {}
+        self.frames_sent = 0
+        self.wakeups = 0
 
     # ------------------------------------------------------------------ start
     @property
@@ -474,10 +503,22 @@ class ProcessServer:
         self._poke()
 
     def refresh_if_read(self) -> None:
-        """After a report: render if a scrape read the last bytes and they are half an interval old."""
+        """After a report: render if a scrape read the last bytes and they are half an interval old.
+
+        Checked here first (plain reads of the publisher's state, so at worst one report late), so that a
+        report whose render would not be due wakes nothing: in a job nobody scrapes, the publisher thread
+        sleeps through every report."""
+        if not self._render_due(time.monotonic()):
+            return
         with self._lock:
             self._if_read = True
         self._poke()
+
+    def _render_due(self, now: float) -> bool:
+        """Whether a report's render is due: a scrape read the current bytes and they are at least half a
+        render interval old (or were never rendered)."""
+        at = self._rendered_at
+        return self._read_version == self.version and (at is None or now - at >= self.min_interval_s / 2)
 
     def stats(self) -> Dict[str, Any]:
         """The child's last self-monitoring counters (see :meth:`.http_server.MetricsServer.stats`; its
@@ -522,6 +563,7 @@ class ProcessServer:
         try:  # under _pub_lock or on the publisher thread: one frame at a time
             os.write(self.proc.stdin.fileno(), _FRAME.pack(b"B", 8) + struct.pack(">Q", self.version))
             self._unsent = False
+            self.frames_sent += 1
         except BlockingIOError:  # the pipe is full (the child is not reading): try again later
             pass
         except (OSError, ValueError):
@@ -545,6 +587,7 @@ class ProcessServer:
             try:
                 fds = [self._wake_r] + ([out_fd] if child_open else [])
                 r = _readable(fds, 0.5 if not self._unsent else 0.05)
+                self.wakeups += 1
                 if self._wake_r in r:
                     os.read(self._wake_r, 4096)
                 if child_open and out_fd in r:
@@ -571,6 +614,7 @@ class ProcessServer:
 
     def _on_line(self, line: str) -> None:
         kind, _, rest = line.partition(" ")
+        self.lines_received[kind] = self.lines_received.get(kind, 0) + 1
         if kind == "want":
             with self._lock:
                 self._want = True
@@ -586,16 +630,19 @@ class ProcessServer:
                     self._stats = st
             except ValueError:
                 pass
+        elif kind == "affinity":
+            from .http_server import report_error
+
+            e, _, msg = rest.partition(" ")
+            report_error(self.on_error, "exporter", OSError(int(e) if e.isdigit() else 0,
+                                                            f"exporter server process: {msg}"))
 
     def _act(self) -> None:
         with self._lock:
             force, if_read, want, final = self._force, self._if_read, self._want, self._final_wanted
             self._force = self._if_read = self._want = False
             self._final_wanted = False
-        now = time.monotonic()
-        age = None if self._rendered_at is None else now - self._rendered_at
-        read = self._read_version == self.version
-        if force or final or want or (if_read and read and (age is None or age >= self.min_interval_s / 2)):
+        if force or final or want or (if_read and self._render_due(time.monotonic())):
             self._publish()
         if final:
             self._final_done.set()

@@ -13,6 +13,10 @@ Fields (on :class:`~mfuwatch.agent.config.AgentConfig`):
 ``exporter_server``                  where requests are answered: ``process`` (default: a server child process,
                                      :mod:`.server_process`) or ``thread`` (in the training process); accepted:
                                      :data:`EXPORTER_SERVERS`
+``exporter_server_cpus``             the CPUs the server child runs on (``exporter_server: process``):
+                                     ``null`` (default: the training process's affinity, inherited), a list of
+                                     CPU numbers or a string of them and ranges (``"8-11,14"``), each in
+                                     ``0..os.cpu_count()-1``; not with ``exporter_server: thread``
 ``preemption_signals``               signal names that close the agent before their previous handler runs
                                      (``[]`` = none); accepted: :data:`PREEMPTION_SIGNALS`
 ``preemption_timeout_seconds``       the bound on that close (> 0)
@@ -68,6 +72,10 @@ def validate_live(cfg: Any, error: Type[Exception]) -> None:
     if not isinstance(v, str) or v.strip().lower() not in EXPORTER_SERVERS:
         raise error(f"exporter_server: expected one of {', '.join(EXPORTER_SERVERS)}, got {v!r}")
     cfg.exporter_server = v.strip().lower()
+    cfg.exporter_server_cpus = parse_cpus(cfg.exporter_server_cpus, error)
+    if cfg.exporter_server_cpus is not None and cfg.exporter_server == "thread":
+        raise error("exporter_server_cpus: applies to the server child only (exporter_server: process); the thread "
+                    "server runs inside the training process: remove one of the two")
     sigs = cfg.preemption_signals
     if sigs in (None, False):
         sigs = []
@@ -89,6 +97,50 @@ def validate_live(cfg: Any, error: Type[Exception]) -> None:
             out.append(name)
     cfg.preemption_signals = out
     cfg.exporter_auth = _validate_auth(cfg.exporter_auth, error)
+
+
+def parse_cpus(v: Any, error: Type[Exception]) -> Optional[list]:
+    """``exporter_server_cpus`` as a sorted list of distinct CPU numbers, or ``None`` (inherit the affinity).
+
+    Accepts ``None``, an int, a list/tuple of ints, or a string of numbers and ``a-b`` ranges separated by
+    commas (the ``taskset -c`` / cpuset list format, ``"8-11,14"``). Whether the kernel lets the child use
+    them (a cgroup cpuset can forbid some) is known only when the child applies them; a refusal is counted,
+    logged once, and the child keeps the inherited affinity.
+
+    Raises:
+        error: not of those forms, empty, or a CPU outside ``0..os.cpu_count()-1``.
+    """
+    import os
+
+    if v is None:
+        return None
+    accepted = "null, a list of CPU numbers or a string such as '8-11,14'"
+    cpus: list = []
+    if isinstance(v, str):
+        for part in v.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+                raise error(f"exporter_server_cpus: expected {accepted}, got {v!r}")
+            a, b = int(lo), int(hi) if sep else int(lo)
+            if b < a:
+                raise error(f"exporter_server_cpus: range {part!r} ends before it starts")
+            cpus.extend(range(a, b + 1))
+    elif isinstance(v, int) and not isinstance(v, bool):
+        cpus = [v]
+    elif isinstance(v, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in v):
+        cpus = list(v)
+    else:
+        raise error(f"exporter_server_cpus: expected {accepted}, got {v!r}")
+    n = os.cpu_count() or 1
+    if not cpus:
+        raise error(f"exporter_server_cpus: expected {accepted}, got an empty set ({v!r})")
+    bad = [c for c in cpus if not 0 <= c < n]
+    if bad:
+        raise error(f"exporter_server_cpus: CPU {bad[0]} does not exist (this machine has CPUs 0..{n - 1})")
+    return sorted(set(cpus))
 
 
 def _validate_auth(a: Any, error: Type[Exception]) -> Optional[dict]:

@@ -425,3 +425,109 @@ def test_descriptors_numbered_past_1024_do_not_matter(served):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _allowed(pid: int) -> dict:
+    """{tid: the task's allowed CPUs as a set} for every thread of ``pid`` (/proc/PID/task/TID/status)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            text = [ln for ln in f if ln.startswith("Cpus_allowed_list:")][0].split(":", 1)[1].strip()
+        cpus = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        out[int(tid)] = cpus
+    return out
+
+
+def test_server_cpus_pin_every_thread_of_the_child_and_the_default_inherits(served):
+    """``cpus`` applies in the child before its loop thread starts, so both of its threads run there (an
+    affinity set from outside on the child's pid moves its main thread only: benchmarks/scrape_load.py run 3)."""
+    reg, start = served
+    mine = os.sched_getaffinity(0)
+    srv, base = start()
+    tasks = _allowed(srv.pid)
+    assert len(tasks) == 2 and all(c == mine for c in tasks.values())  # inherited
+    cpu = max(mine)
+    pinned, base2 = start(cpus=[cpu])
+    assert _get(base2 + "/metrics") == (200, generate_latest(reg))
+    tasks = _allowed(pinned.pid)
+    assert len(tasks) == 2 and all(c == {cpu} for c in tasks.values())
+    assert os.sched_getaffinity(0) == mine  # the parent is not moved
+    # what moving the child from outside does: only the thread whose id is the pid
+    os.sched_setaffinity(srv.pid, {cpu})
+    tasks = _allowed(srv.pid)
+    assert tasks[srv.pid] == {cpu} and [c for t, c in tasks.items() if t != srv.pid] == [mine]
+
+
+def test_server_cpus_the_kernel_refuses_are_reported_and_the_child_serves_on(served):
+    reg, start = served
+    errors = []
+    bad = (os.cpu_count() or 1) + 64  # no such CPU: sched_setaffinity fails with EINVAL
+    srv, base = start(cpus=[bad], on_error=lambda comp, exc: errors.append((comp, exc)))
+    assert _get(base + "/metrics") == (200, generate_latest(reg))
+    assert _wait(lambda: errors, timeout=5.0)
+    (comp, exc), = errors
+    assert comp == "exporter" and isinstance(exc, OSError) and exc.errno == 22 and f"cpus [{bad}]" in str(exc)
+    assert srv.lines_received.get("affinity") == 1
+    assert all(c == os.sched_getaffinity(0) for c in _allowed(srv.pid).values())  # the inherited affinity
+
+
+def test_the_publisher_counts_what_crosses_the_pipes_and_sleeps_through_reports_nobody_read(served):
+    """One scrape of the start-up bytes (not fresh): the child asks once (``want``), the parent renders and
+    sends one frame, the scrape is served that version and the child reports it read (``read 2``). A report
+    (``refresh_if_read``) wakes the publisher only when a scrape read the current bytes and they are half an
+    interval old."""
+    reg, start = served
+    srv, base = start(min_interval_s=0.4)
+    pokes = []
+    poke = srv._poke
+    srv._poke = lambda: (pokes.append(1), poke())
+    assert srv.renders == 1 and srv.frames_sent == 0  # the start-up render, read by the child at start
+    for _ in range(20):
+        srv.refresh_if_read()  # nothing read yet: no render due, nothing woken
+    assert pokes == [] and srv.renders == 1
+    assert _get(base + "/metrics") == (200, generate_latest(reg))
+    assert _wait(lambda: srv.lines_received.get("read") == 1, timeout=5.0)
+    assert srv.lines_received.get("want") == 1 and srv.frames_sent == 1 and srv.renders == 2
+    assert srv.version == 2 and srv._read_version == 2  # version 1: the start-up bytes
+    at = srv._rendered_at
+    assert not srv._render_due(at + 0.19) and srv._render_due(at + 0.2)  # half of 0.4 s
+    time.sleep(max(0.0, at + 0.25 - time.monotonic()))
+    srv.refresh_if_read()  # read and older than half the interval: one wake-up, one render, one frame
+    assert pokes == [1]
+    assert _wait(lambda: srv.frames_sent == 2, timeout=5.0)
+    assert srv.renders == 3 and srv.version == 3 and srv.wakeups >= 2
+    for _ in range(20):
+        srv.refresh_if_read()  # version 3 was never scraped: nothing woken
+    assert pokes == [1] and srv.renders == 3
+
+
+def test_exporter_server_cpus_setting_is_parsed_checked_and_reaches_the_child():
+    from mfuwatch.agent.live.settings import parse_cpus
+
+    n = os.cpu_count()
+    assert parse_cpus(None, ConfigError) is None
+    assert parse_cpus(0, ConfigError) == [0]
+    assert parse_cpus([0, 0], ConfigError) == [0]
+    assert parse_cpus(f"0-{n - 1}", ConfigError) == list(range(n))
+    assert parse_cpus(f" {n - 1}, 0 ", ConfigError) == sorted({0, n - 1})
+    for bad, match in [("", "empty set"), ([], "empty set"), (True, "expected null"), ("1-0", "ends before"),
+                       ("a", "expected null"), ([0.5], "expected null"), (n, f"CPU {n} does not exist"),
+                       (f"0-{n}", f"CPU {n} does not exist"), (-1, "CPU -1 does not exist")]:
+        with pytest.raises(ConfigError, match=r"exporter_server_cpus: .*" + match):
+            parse_cpus(bad, ConfigError)
+    with pytest.raises(ConfigError, match=r"exporter_server_cpus: CPU"):
+        Agent(config=dict(_BASE, exporter_server_cpus=[n + 3]))
+    with pytest.raises(ConfigError, match=r"exporter_server_cpus: applies to the server child only"):
+        Agent(config=dict(_BASE, exporter_server="thread", exporter_server_cpus=[0]))
+    cpu = max(os.sched_getaffinity(0))
+    a = Agent(config=dict(_BASE, exporter_server_cpus=str(cpu)))
+    try:
+        assert a.config.exporter_server_cpus == [cpu] and a.exporter.mode == "process"
+        assert _get(a.exporter_url)[0] == 200
+        tasks = _allowed(a.exporter._server.pid)
+        assert len(tasks) == 2 and all(c == {cpu} for c in tasks.values())
+    finally:
+        a.close()
