@@ -236,8 +236,10 @@ class FlopModel:
                             "MFU is not reported", self.reason)
 
     # ------------------------------------------------------- training thread
-    def on_forward_start(self, args: tuple, kwargs: Any, step: int) -> None:
-        """A training forward begins (shape reads; starts the count on the second step). Never raises."""
+    def on_forward_start(self, args: tuple, kwargs: Any, step: int, may_start: bool = True) -> None:
+        """A training forward begins (shape reads; starts the count on the second step, unless ``may_start``
+        is False: a call through a ``torch.compile(fullgraph=True)`` wrapper, where a dispatch mode would make
+        the compile fail). Never raises."""
         try:
             arch = self.arch
             if arch is not None and arch.family in ("encoder-decoder", "vision"):
@@ -246,7 +248,7 @@ class FlopModel:
                     self.lengths = lengths
             fc = self.counter
             if fc is not None:
-                if not fc.active and step >= 1 and self.model_flops_per_token is None:
+                if not fc.active and may_start and step >= 1 and self.model_flops_per_token is None:
                     fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
                 fc.mark_forward_start()
         except Exception as exc:  # noqa: BLE001

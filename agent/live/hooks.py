@@ -4,6 +4,18 @@ These run on the training thread and do the least: add a batch's tokens (shape r
 only), record a step-clock marker (a CUDA event on GPUs: no host-device sync), and hand
 the FLOP model its forward. Every failure is caught and counted under ``hooks``; none
 reaches the training loop.
+
+Under ``torch.compile(model)`` (the ``OptimizedModule`` wrapper), torch 2.13 traces the model's own module
+hooks into the graph (older versions ran them before the compiled ``forward`` frame), where the agent's
+clock reads and thread ids cannot go: a graph break and a warning, and with ``fullgraph=True`` the job's
+compile failed; the FLOP count started inside the traced hook also missed the backward. The hooks
+therefore do nothing while dynamo traces them (:func:`torch.compiler.is_compiling`), and a step that ended
+without any eager forward of the model moves them to the wrapper (:class:`_WrapperHooks`: global module
+hooks that act only for a ``torch.compile`` wrapper of the model, eagerly, around the compiled call); that
+one step's tokens are the previous step's. Through a wrapper compiled with ``fullgraph=True`` (or
+``error_on_graph_break``) the FLOP count is not started: dynamo refuses a frame under a dispatch mode
+(``FlopCounterMode``), which such a compile turns into an error; a model without an analytic formula then
+needs ``flops_per_step`` (said once in the log).
 """
 
 from __future__ import annotations
@@ -18,6 +30,10 @@ from torch import nn
 from ..device import peaks
 
 log = logging.getLogger("mfuwatch")
+
+#: True while dynamo traces the calling code (the hooks then do nothing: see the module docstring).
+#: ``torch.compiler.is_compiling`` since torch 2.3; dynamo evaluates it to True at trace time.
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
 
 def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
@@ -100,6 +116,10 @@ class TrainingHooks:
         self._handles: list = []
         self._model: Optional[nn.Module] = None
         self._forward_handles: list = []
+        self._eager_forward = False  # a hook of the model ran eagerly since the last boundary
+        self._last_tokens = 0  # the tokens of the last step whose forwards were seen
+        self._wrapper: Optional["_WrapperHooks"] = None
+        self._in_wrapper = 0  # inside a call of the torch.compile wrapper (its hooks speak for the model's)
 
     def install(self, model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Register the forward pre/post hooks on ``model`` and the step post-hook on ``optimizer``."""
@@ -122,8 +142,14 @@ class TrainingHooks:
                 h.remove()
         self._handles.clear()
 
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict, may_count: bool = True,
+                     wrapper: bool = False) -> None:
+        if _is_compiling():  # traced into a graph: nothing here (see the module docstring)
+            return None
+        if self._in_wrapper and not wrapper:  # the model's own hooks run eagerly inside a wrapper call (a
+            return None  # graph break): the wrapper's hooks already counted this forward
         try:
+            self._eager_forward = True
             if not torch.is_grad_enabled() or not module.training:
                 # Training tokens are those of forwards with autograd on and the model in train mode;
                 # a metric pass in model.eval() (with or without no_grad) is not training. A model trained
@@ -140,14 +166,33 @@ class TrainingHooks:
                 self.wiring.clock_start()  # time the first step from its first forward
             if self.configured_dtype is None:  # a configured dtype is final
                 self._detect_dtype(module)  # the first forward shows the dtype; a change re-chooses the peak
-            self.flop_model.on_forward_start(args, kwargs, self.step)  # never raises
+            self.flop_model.on_forward_start(args, kwargs, self.step, may_start=may_count)  # never raises
         except Exception as exc:  # noqa: BLE001
             self.errors.count("hooks", exc)
         return None
 
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any, wrapper: bool = False) -> None:
+        if _is_compiling() or (self._in_wrapper and not wrapper):
+            return None
         self.flop_model.on_forward_end()  # never raises
         return None
+
+    def _follow_wrapper(self) -> Optional[int]:
+        """At a boundary: a step in which no hook of the model ran eagerly means that its hooks were traced
+        into a compiled graph; move them to the compiled wrapper (once) and return the tokens to count for
+        this step (the previous step's), else None."""
+        if self._eager_forward or self._model is None or self._wrapper is not None or self.closed:
+            self._eager_forward = False
+            return None
+        try:
+            self._wrapper = _WrapperHooks(self._model, self)
+            self._handles.append(self._wrapper)
+            log.info("mfuwatch: step %d saw no eager forward of %s (torch.compile traces its hooks into the "
+                     "graph): the agent's forward hooks now run around the torch.compile wrapper; this step's "
+                     "tokens are the previous step's (%d)", self.step, type(self._model).__name__, self._last_tokens)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.count("hooks", exc)
+        return self._last_tokens
 
     def _detect_dtype(self, module: nn.Module) -> None:
         dev = self.device.type
@@ -221,8 +266,12 @@ class TrainingHooks:
             return
         try:
             self.step += 1
+            carried = self._follow_wrapper()
             if tokens is None:
                 tokens = self.tokens_per_step if self.tokens_per_step is not None else self._pending_tokens
+                if carried is not None and self.tokens_per_step is None and not self._pending_tokens:
+                    tokens = carried
+                self._last_tokens = tokens or self._last_tokens
             self._pending_tokens = 0
             if loss is None:
                 loss, self._pending_loss = self._pending_loss, None
@@ -279,3 +328,72 @@ class _CompiledInPlace:
         """Restore the module's compiled call (only if the slot still holds this handle's function)."""
         if getattr(self.module, "_compiled_call_impl", None) is self.call:
             self.module._compiled_call_impl = self.call.compiled
+
+
+class _WrapperHooks:
+    """The agent's forward hooks around ``torch.compile`` wrappers of ``model`` (an ``OptimizedModule`` whose
+    ``_orig_mod`` is ``model``, or a DDP/FSDP wrapper of it with ``.module``), through torch's global module
+    hooks, which the wrapper's own ``__call__`` runs eagerly. Every other module returns at once (an identity
+    test); inside a compiled graph the hooks do nothing. torch warns on each wrapper call that global hooks
+    fire "an extra time" for the wrapper: that is the point here, so that one warning is filtered (by its
+    message). ``remove()`` removes both hooks."""
+
+    _WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+    def __init__(self, model: nn.Module, hooks: "TrainingHooks") -> None:
+        import warnings
+
+        from torch.nn.modules import module as module_mod
+
+        self.model = model
+        self._said = False
+
+        def ours(mod: nn.Module) -> bool:
+            sub = getattr(mod, "_modules", None)  # a plain dict read: no nn.Module.__getattr__
+            orig = sub.get("_orig_mod") if isinstance(sub, dict) else None
+            return orig is not None and (orig is model or getattr(orig, "module", None) is model)
+
+        def _pre(mod: nn.Module, args: tuple) -> None:
+            if _is_compiling():
+                return
+            try:
+                if ours(mod):
+                    hooks._pre_forward(model, args, {}, may_count=self._may_count(mod), wrapper=True)
+                    hooks._in_wrapper += 1
+            except Exception as exc:  # noqa: BLE001 - a global hook: never into the training loop
+                hooks.errors.count("hooks", exc)
+
+        def _post(mod: nn.Module, args: tuple, output: Any) -> None:  # always_call: also when forward raised
+            if _is_compiling():
+                return
+            try:
+                if ours(mod):
+                    hooks._in_wrapper = max(0, hooks._in_wrapper - 1)
+                    hooks._post_forward(model, args, output, wrapper=True)
+            except Exception as exc:  # noqa: BLE001
+                hooks.errors.count("hooks", exc)
+
+        warnings.filterwarnings("ignore", message=self._WARNING, category=UserWarning)
+        self._handles = [module_mod.register_module_forward_pre_hook(_pre)]
+        try:
+            self._handles.append(module_mod.register_module_forward_hook(_post, always_call=True))
+        except TypeError:  # a torch before always_call (2.1)
+            self._handles.append(module_mod.register_module_forward_hook(_post))
+
+    def _may_count(self, wrapper: nn.Module) -> bool:
+        """Whether ``FlopCounterMode`` may be entered around this wrapper's call: not when it was compiled
+        with ``fullgraph=True`` / ``error_on_graph_break=True``, or when this torch does not say."""
+        ctx = getattr(wrapper, "dynamo_ctx", None)
+        full, strict = getattr(ctx, "fullgraph", None), getattr(ctx, "error_on_graph_break", None)
+        ok = full is False and not strict
+        if not ok and not self._said:
+            self._said = True
+            log.warning("mfuwatch: %s runs through torch.compile(fullgraph=True) (or error_on_graph_break): "
+                        "FlopCounterMode cannot count a step through it; a model without an analytic FLOP "
+                        "formula needs flops_per_step=... for MFU", type(self.model).__name__)
+        return ok
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
