@@ -522,7 +522,170 @@ def _scale_kernel(DX, G, n, BLOCK: tl.constexpr):  # DX: (n,) contiguous, scaled
             tl.store(DX + offs, (d * g).to(DX.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _ex2(x, ASM: tl.constexpr):
+    """2^x in fp32. ``ASM`` (a GPU, not the interpreter, which cannot run inline PTX): ``ex2.approx.ftz.f32``, one
+    MUFU.EX2; ``tl.exp2`` lowers to the non-ftz ``ex2.approx.f32``, which adds a compare and two predicated
+    multiplies per element to scale subnormal results (seen in the SASS, docs/gpu-runs/cross_entropy-run9.md).
+    Results below 2^-126 flush to 0: probabilities that small change no fp32 sum and no bf16/fp16 gradient
+    by more than 2^-126 absolute."""
+    if ASM:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = tl.exp2(x)
+    return y
+
+
+@triton.jit
+def _rcp12(d, NEWTON: tl.constexpr, ASM: tl.constexpr):
+    """1 / d for ``d`` in [1, 2], fp32. ``NEWTON``: on the FMA pipe alone (no MUFU.RCP): the minimax quadratic of
+    relative error 1/99 (``d q(d) = 1 + T3(2d - 3) / 99``, T3 the Chebyshev polynomial, so
+    ``q(d) = (32 d^2 - 144 d + 210) / 99``) and two Newton steps ``r += r (1 - d r)`` (error 1/99 -> 1e-4 -> 1e-8,
+    then fp32 rounding): six FFMA. Else ``rcp.approx.ftz.f32`` (one MUFU.RCP, 1 ulp) on a GPU, a division in
+    the interpreter."""
+    if NEWTON:
+        r = (d * (32.0 / 99.0) - 144.0 / 99.0) * d + 210.0 / 99.0
+        r = r + r * (1.0 - d * r)
+        r = r + r * (1.0 - d * r)
+    elif ASM:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = 1.0 / d
+    return r
+
+
+@triton.jit
+def _softcap_fast(x, k, c, NEWTON: tl.constexpr, ASM: tl.constexpr):
+    """``(z, e, r)``: ``z = c tanh(x / c)``, ``e = exp(-2|x / c|)`` (``k = -2 log2(e) / c``), ``r = 1 / (1 + e)``;
+    ``sech(x / c)^2 = 4 e r^2``. ``c tanh(|x| / c) = c (2 r - 1)`` (one FFMA), its sign set from ``x``'s sign bit
+    (one LOP3). Absolute error of ``z`` ~ c * 1e-7 (that of the formula ``(1 - e) r`` too)."""
+    e = _ex2(tl.abs(x) * k, ASM)
+    r = _rcp12(1.0 + e, NEWTON, ASM)
+    za = r * (2.0 * c) - c
+    z = (za.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    return z, e, r
+
+
+@triton.jit
+def _ce_fast_kernel(
+    X, T, LOSS, LSE, DX, SCALE,  # as _ce_fwd_kernel with WRITE_GRAD (DX may alias X)
+    rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, kexp,  # kexp = -2 log2(e) / softcap
+    HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, HINTS: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr, NEWTON1: tl.constexpr, NEWTON2: tl.constexpr, ASM: tl.constexpr,
+):
+    # The "rev" kernel (_ce_fwd_kernel with WRITE_GRAD and REVERSE) with fewer instructions per element: the row's
+    # V // BLOCK full blocks unmasked and one masked tail block; no sum of z unless SMOOTH (label smoothing), no
+    # z-loss factor unless ZLOSS; exp as one ex2 (an FFMA folds the log2(e) scale and the max); the target
+    # column's "- (1 - eps)" not as a compare and select per element but as one scalar store after the gradient
+    # pass (behind a barrier, so that it lands after the vector store of its block).
+    LOG2E: tl.constexpr = 1.4426950408889634
+    nfull = V // BLOCK
+    tail = nfull * BLOCK
+    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.full((), 0, tl.int64) + r
+        x_row = X + row * stride_x
+        t = tl.load(T + row).to(tl.int64)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < V)
+        t_safe = tl.where(valid, t, 0)
+        mx = -float("inf")
+        s = 0.0
+        zsum = 0.0
+        for i in tl.range(0, nfull, num_stages=STAGES):
+            cols = i * BLOCK + tl.arange(0, BLOCK)
+            if HINTS:
+                x = tl.load(x_row + cols, eviction_policy="evict_last").to(tl.float32)
+            else:
+                x = tl.load(x_row + cols).to(tl.float32)
+            if HAS_SOFTCAP:
+                x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+            if SMOOTH:
+                zsum += tl.sum(x, 0)
+            nm = tl.maximum(mx, tl.max(x, 0))
+            s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+            mx = nm
+        if tail < V:
+            cols = tail + tl.arange(0, BLOCK)
+            m = cols < V
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+            if SMOOTH:
+                zsum += tl.sum(tl.where(m, x, 0.0), 0)
+            x = tl.where(m, x, -float("inf"))
+            nm = tl.maximum(mx, tl.max(x, 0))
+            s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+            mx = nm
+        lse = mx + tl.log(s)
+        xt = tl.load(x_row + t_safe).to(tl.float32)
+        if HAS_SOFTCAP:
+            tht, dzdx_t = _tanh_sech2(xt * (1.0 / softcap))
+            zt = softcap * tht
+        else:
+            zt = xt
+            dzdx_t = 1.0
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+        coef = tl.load(SCALE).to(tl.float32)
+        coef = tl.where(valid, coef, float("nan"))
+        coef = tl.where(ignored, 0.0, coef)
+        if ZLOSS:
+            grow = 1.0 + 2.0 * z_loss * lse
+        else:
+            grow = 1.0
+        a = coef * grow
+        sub = smoothing / V * coef
+        if HAS_SOFTCAP:  # sech^2 = 4 e r^2: the 4 folded into the scalars
+            a = a * 4.0
+            sub = sub * 4.0
+        b = lse * LOG2E
+        dx_row = DX + row * stride_dx
+        if tail < V:  # the blocks in reverse order: the tail first
+            cols = tail + tl.arange(0, BLOCK)
+            m = cols < V
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON2, ASM)
+            else:
+                z = x
+            g = _ex2(z * LOG2E - b, ASM) * a
+            if SMOOTH:
+                g = g - sub
+            if HAS_SOFTCAP:
+                g = g * (e * rc * rc)
+            tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=m)
+        for i in tl.range(0, nfull, num_stages=STAGES):
+            cols = (nfull - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+            if HINTS:
+                x = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = tl.load(x_row + cols).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON2, ASM)
+            else:
+                z = x
+            g = _ex2(z * LOG2E - b, ASM) * a
+            if SMOOTH:
+                g = g - sub
+            if HAS_SOFTCAP:
+                g = g * (e * rc * rc)
+            if HINTS:
+                tl.store(dx_row + cols, g.to(DX.dtype.element_ty), eviction_policy="evict_first")
+            else:
+                tl.store(dx_row + cols, g.to(DX.dtype.element_ty))
+        # the target column: p_t grow - eps / V - (1 - eps), times dz/dx and coef, over what the pass wrote there
+        tl.debug_barrier()
+        gt = (tl.exp(zt - lse) * grow - smoothing / V - (1.0 - smoothing)) * dzdx_t * coef
+        tl.store(dx_row + t_safe, gt.to(DX.dtype.element_ty))
+
+
 _FWD = Launcher(_ce_fwd_kernel)
+_FWD_FAST = Launcher(_ce_fast_kernel)
 _FWD_SPLIT = Launcher(_ce_fwd_split_kernel)
 _FWD_TEAM = Launcher(_ce_team_kernel)
 _FWD_TEAM_L2 = Launcher(_ce_team_l2_kernel)
@@ -736,6 +899,17 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
                        {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "BLOCK": block}, warps)
             return
         grid = rows if pps == 0 else min(rows, pps * sm_count(x.device))
+        if kind == "fast" and write:  # stages: pipeline depth + 10 * (1: the forward's reciprocal on the FMA pipe,
+            # 2: the gradient pass's, 3: both) + 100 (tl.exp2 and divisions instead of the inline PTX: a benchmark's
+            # ablation)
+            plain_tl, rest = divmod(stages, 100)
+            newton, st = divmod(rest, 10)
+            _FWD_FAST(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing),
+                             float(z_loss), cap, -2.0 * math.log2(math.e) / cap),
+                      {"HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing != 0, "ZLOSS": z_loss != 0, "HINTS": pps > 0,
+                       "BLOCK": block, "STAGES": max(1, st), "NEWTON1": bool(newton & 1), "NEWTON2": bool(newton & 2),
+                       "ASM": not INTERPRET and not plain_tl}, warps)
+            return
         _FWD(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
                     cap),
              {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write,
