@@ -145,22 +145,64 @@ def kernel_report():
     return lines
 
 
+class Clock:
+    """Median SM clock (MHz) and board power (W) sampled every 5 ms by NVML in a thread while a timing runs
+    (nvidia-ml-py; ``None`` without it): whether a variant runs slower because the GPU clocks down."""
+
+    def __init__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nv, self.h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:
+            self.nv = None
+
+    def __call__(self, fn):
+        import threading
+        import time
+
+        if self.nv is None:
+            return fn(), None
+        samples, stop = [], threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                samples.append((self.nv.nvmlDeviceGetClockInfo(self.h, self.nv.NVML_CLOCK_SM),
+                                self.nv.nvmlDeviceGetPowerUsage(self.h) / 1000))
+                time.sleep(0.005)
+
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        try:
+            out = fn()
+        finally:
+            stop.set()
+            th.join()
+        if not samples:
+            return out, None
+        return out, (statistics.median(c for c, _ in samples), statistics.median(p for _, p in samples))
+
+
 def sweep(x, t, bw):
     import triton.testing
 
     floor_ms = 4 * N * V / bw / 1e6
     lines = ["", f"ce_fwd writing the gradient, {N} x {V} bf16, do_bench medians (ms), two interleaved rounds; "
                  f"floor {floor_ms:.3f} ms = 4 B/logit at {bw:.0f} GB/s; smoothing 0, z-loss 0",
-             "| softcap | setting | round 1 | round 2 | % of floor |", "|---|---|---|---|---|"]
+             "| softcap | setting | round 1 | round 2 | % of floor | SM MHz, W (round 2) |", "|---|---|---|---|---|---|"]
     dx = torch.empty_like(x)
     best = {}
+    clock = Clock()
     for cap, ss in ((0.0, PLAIN), (30.0, SOFTCAP)):
         res = {s: [] for s in ss}
+        clk = {}
         for _ in range(2):
             for s in ss:
                 try:
-                    res[s].append(triton.testing.do_bench(lambda: run(x, t, s, 0.0, 0.0, cap, dx), warmup=25,
-                                                          rep=120, return_mode="median"))
+                    ms, clk[s] = clock(lambda: triton.testing.do_bench(lambda: run(x, t, s, 0.0, 0.0, cap, dx),
+                                                                       warmup=25, rep=120, return_mode="median"))
+                    res[s].append(ms)
                 except Exception as e:
                     res[s].append(float("nan"))
                     print("failed", s, repr(e)[:300])
@@ -168,7 +210,9 @@ def sweep(x, t, bw):
         best[cap] = min(ok, key=lambda s: statistics.median(res[s]))
         for s in ss:
             a, b = res[s]
-            lines.append(f"| {cap or '-'} | {s} | {a:.3f} | {b:.3f} | {100 * floor_ms / statistics.median([a, b]):.0f} |")
+            c = clk.get(s)
+            lines.append(f"| {cap or '-'} | {s} | {a:.3f} | {b:.3f} | {100 * floor_ms / statistics.median([a, b]):.0f} | "
+                         f"{'%.0f, %.0f' % c if c else '-'} |")
         print("\n".join(lines[-len(ss):]), flush=True)
     lines.append(f"best: {best}")
     return lines + [""] + kernel_report(), best

@@ -574,6 +574,7 @@ def _ce_fast_kernel(
     rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, kexp,  # kexp = -2 log2(e) / softcap
     HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, HINTS: tl.constexpr,
     BLOCK: tl.constexpr, STAGES: tl.constexpr, NEWTON1: tl.constexpr, NEWTON2: tl.constexpr, ASM: tl.constexpr,
+    LOCAL: tl.constexpr = False, VEC: tl.constexpr = 8, FIXED: tl.constexpr = False,
 ):
     # The "rev" kernel (_ce_fwd_kernel with WRITE_GRAD and REVERSE) with fewer instructions per element: the row's
     # V // BLOCK full blocks unmasked and one masked tail block; no sum of z unless SMOOTH (label smoothing), no
@@ -590,34 +591,81 @@ def _ce_fast_kernel(
         ignored = t == ignore_index
         valid = (t >= 0) & (t < V)
         t_safe = tl.where(valid, t, 0)
-        mx = -float("inf")
-        s = 0.0
-        zsum = 0.0
-        for i in tl.range(0, nfull, num_stages=STAGES):
-            cols = i * BLOCK + tl.arange(0, BLOCK)
-            if HINTS:
-                x = tl.load(x_row + cols, eviction_policy="evict_last").to(tl.float32)
+        if LOCAL:
+            # per-thread state: the block as (R, VEC) rows of one 16-byte vector each, a running max and rescaled sum
+            # per row of the tile (reductions along VEC stay in the thread), combined across threads once per row
+            R: tl.constexpr = BLOCK // VEC
+            offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+            mv = tl.full((R,), -float("inf"), tl.float32)
+            sv = tl.zeros((R,), tl.float32)
+            zv = tl.zeros((R,), tl.float32)
+            for i in tl.range(0, nfull, num_stages=STAGES):
+                if HINTS:
+                    x = tl.load(x_row + i * BLOCK + offs, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x = tl.load(x_row + i * BLOCK + offs).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zv += tl.sum(x, 1)
+                if FIXED:  # z <= c: exp(z - c) in [exp(-2c), 1], no max needed (see the launcher)
+                    sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
+                else:
+                    nm = tl.maximum(mv, tl.max(x, 1))
+                    ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E  # a row of -inf logits: no NaN
+                    sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
+                    mv = nm
+            if tail < V:
+                m2 = tail + offs < V
+                x = tl.load(x_row + tail + offs, mask=m2, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zv += tl.sum(tl.where(m2, x, 0.0), 1)
+                x = tl.where(m2, x, -float("inf"))
+                if FIXED:
+                    sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
+                else:
+                    nm = tl.maximum(mv, tl.max(x, 1))
+                    ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E
+                    sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
+                    mv = nm
+            if FIXED:
+                mx = softcap
+                s = tl.sum(sv, 0)
             else:
-                x = tl.load(x_row + cols).to(tl.float32)
-            if HAS_SOFTCAP:
-                x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
-            if SMOOTH:
-                zsum += tl.sum(x, 0)
-            nm = tl.maximum(mx, tl.max(x, 0))
-            s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
-            mx = nm
-        if tail < V:
-            cols = tail + tl.arange(0, BLOCK)
-            m = cols < V
-            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
-            if SMOOTH:
-                zsum += tl.sum(tl.where(m, x, 0.0), 0)
-            x = tl.where(m, x, -float("inf"))
-            nm = tl.maximum(mx, tl.max(x, 0))
-            s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
-            mx = nm
+                mx = tl.max(mv, 0)
+                s = tl.sum(sv * _ex2(mv * LOG2E - mx * LOG2E, ASM), 0)
+            zsum = tl.sum(zv, 0)
+        else:
+            mx = -float("inf")
+            s = 0.0
+            zsum = 0.0
+            for i in tl.range(0, nfull, num_stages=STAGES):
+                cols = i * BLOCK + tl.arange(0, BLOCK)
+                if HINTS:
+                    x = tl.load(x_row + cols, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x = tl.load(x_row + cols).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zsum += tl.sum(x, 0)
+                nm = tl.maximum(mx, tl.max(x, 0))
+                s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+                mx = nm
+            if tail < V:
+                cols = tail + tl.arange(0, BLOCK)
+                m = cols < V
+                x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zsum += tl.sum(tl.where(m, x, 0.0), 0)
+                x = tl.where(m, x, -float("inf"))
+                nm = tl.maximum(mx, tl.max(x, 0))
+                s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+                mx = nm
         lse = mx + tl.log(s)
         xt = tl.load(x_row + t_safe).to(tl.float32)
         if HAS_SOFTCAP:
@@ -704,6 +752,10 @@ _SCALE = Launcher(_scale_kernel)
 #: (BLOCK, num_warps) of the split kernel's candidates: none by default. Measured on the H200 (run 2 sweep,
 #: 8192 x 128256 bf16 fwd+bwd): 2.73-3.75 ms against 1.86 ms for one program per row, so it is not tried.
 SPLIT_SETTINGS: tuple = ()
+#: Largest softcap c for which the "fast" kernel's per-thread forward sums exp(z - c) without a running max: z <= c,
+#: so every term is at least exp(-2c), a normal fp32 number (>= 2^-126, ``ex2.approx.ftz`` flushes below) for
+#: 2c log2(e) < 126, c < 43.6.
+FIXED_MAX_SOFTCAP = 40.0
 #: Most programs per row of the split kernel (its partials are read as one block of this many).
 MAX_SPLIT = 64
 #: Polls of a row's counter before the split kernel gives up and writes NaN (a safeguard: see the kernel).
@@ -902,13 +954,15 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
         if kind == "fast" and write:  # stages: pipeline depth + 10 * (1: the forward's reciprocal on the FMA pipe,
             # 2: the gradient pass's, 3: both) + 100 (tl.exp2 and divisions instead of the inline PTX: a benchmark's
             # ablation)
-            plain_tl, rest = divmod(stages, 100)
+            local, rest = divmod(stages, 1000)
+            plain_tl, rest = divmod(rest, 100)
             newton, st = divmod(rest, 10)
             _FWD_FAST(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing),
                              float(z_loss), cap, -2.0 * math.log2(math.e) / cap),
                       {"HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing != 0, "ZLOSS": z_loss != 0, "HINTS": pps > 0,
                        "BLOCK": block, "STAGES": max(1, st), "NEWTON1": bool(newton & 1), "NEWTON2": bool(newton & 2),
-                       "ASM": not INTERPRET and not plain_tl}, warps)
+                       "ASM": not INTERPRET and not plain_tl, "LOCAL": bool(local), "VEC": 16 // x.element_size(),
+                       "FIXED": bool(local) and 0 < softcap <= FIXED_MAX_SOFTCAP}, warps)
             return
         _FWD(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
                     cap),

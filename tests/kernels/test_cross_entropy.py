@@ -368,12 +368,15 @@ def test_team_grid_caps_registers_so_the_programs_fit_together():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("opts", OPTIONS, ids=["plain", "softcap+smooth+z", "smooth1", "softcap0.5"])
 @pytest.mark.parametrize("setting", [(16, 1, "fast", 0, 1), (16, 2, "fast", 2, 32), (16, 1, "fast", 0, 12),
-                                     (64, 1, "fast", 0, 1), (8, 1, "fast", 3, 21)],
-                         ids=["B16", "B16-newton-persistent", "B16-newton1", "tail-only", "B8-newton2-persistent"])
+                                     (64, 1, "fast", 0, 1), (8, 1, "fast", 3, 21), (16, 1, "fast", 0, 1001),
+                                     (16, 2, "fast", 2, 1012), (64, 1, "fast", 0, 1001)],
+                         ids=["B16", "B16-newton-persistent", "B16-newton1", "tail-only", "B8-newton2-persistent",
+                              "B16-local", "B16-local-newton1-persistent", "tail-only-local"])
 def test_fast_kernel_matches_float64(dtype, opts, setting, gen):
     """The "fast" kernel (unmasked full blocks + one masked tail, smoothing and z-loss specialised away when 0, the
     target column written by a scalar store after the gradient pass; under the interpreter the pure-tl forms of
-    ex2 and the reciprocal, and the FMA-pipe reciprocal where the setting asks for it): loss, lse and gradient of
+    ex2 and the reciprocal, and the FMA-pipe reciprocal where the setting asks for it; "local": the per-thread
+    forward, which with these softcaps (<= 40) sums exp(z - c) without a running max): loss, lse and gradient of
     the float64 reference on logits with a row stride > V (V = 50: three full blocks of 16 and a tail of 2; BLOCK
     64: the tail alone), targets in the first and the last column and an ignored row; the gradient buffer poisoned
     with NaN first."""
@@ -397,6 +400,28 @@ def test_fast_kernel_matches_float64(dtype, opts, setting, gen):
     assert_close(lse.cpu(), torch.logsumexp(z, -1), torch.float32, "lse")
     assert not torch.isnan(dxd).any()
     assert_close(dxd.cpu().float(), x64.grad, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("stages", [1, 1001], ids=["block", "local"])
+def test_fast_kernel_rows_with_minus_inf_logits(stages, gen):
+    """Runs of -inf logits (a masked vocabulary: whole 16-column blocks and whole 16-byte vectors of them, the tail
+    too) take no probability and get gradient 0, the loss stays finite: the per-thread forward's running max
+    starts at -inf and a vector of -inf logits must not turn it into NaN."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    x = torch.randn(4, 50, generator=gen) * 3
+    x[:, 16:40] = float("-inf")
+    x[:, 48:] = float("-inf")
+    t = torch.tensor([3, 45, -100, 0])
+    dx = torch.full_like(x, float("nan"))
+    loss, _ = K.ce_fwd(x.to(DEVICE), t.to(DEVICE), -100, 0.0, 0.0, 0.0, grad_scale=torch.tensor([1.0]).to(DEVICE),
+                       dx=(dx := dx.to(DEVICE)), setting=(16, 1, "fast", 0, stages))
+    keep = torch.cat([torch.arange(16), torch.arange(40, 48)])
+    x64 = x[:, keep].double().requires_grad_()
+    tk = torch.tensor([3, 16 + 45 - 40, -100, 0])
+    ref_rows(x64, tk).sum().backward()
+    assert_close(loss.cpu(), ref_rows(x[:, keep].double(), tk), torch.float32, "loss rows")
+    assert_close(dx.cpu()[:, keep], x64.grad, torch.float32, "dlogits")
+    assert (dx.cpu()[:, 16:40] == 0).all() and (dx.cpu()[:, 48:] == 0).all()
 
 
 def test_fast_kernel_in_place_and_negative_scale(gen):
