@@ -274,9 +274,14 @@ def providers(x, t, best):
 
 
 def lce():
+    """linear_cross_entropy fwd+bwd (default mode: chunks of logits, each chunk's gradient written in place by
+    the fused forward, which takes the first write candidate unless a non-aliasing launch was tuned): the new
+    default candidate against the previous one ("rev"), two interleaved rounds, and the peak memory above the
+    inputs and the gradients."""
     import triton.testing
 
     import mfuwatch.kernels as mk
+    import mfuwatch.kernels._tuning as C
 
     Hd = 4096
     g = torch.Generator(device=DEV).manual_seed(2)
@@ -287,18 +292,31 @@ def lce():
     def step():
         mk.linear_cross_entropy(h, w, t).backward()
 
-    step()
-    h.grad = w.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base - (h.numel() + w.numel()) * 2
-    ms = [triton.testing.do_bench(step, warmup=25, rep=400, grad_to_none=[h, w], return_mode="median")
-          for _ in range(2)]
-    out = ["", f"linear_cross_entropy fwd+bwd {N} x {Hd} x {V} bf16 (default mode): {ms[0]:.2f} / {ms[1]:.2f} ms "
-               f"(do_bench medians, two rounds), peak {peak / 2 ** 30:.2f} GiB above inputs and gradients"]
+    saved = K.WRITE_SETTINGS
+    variants = {f"{saved[0]} (new default)": saved,
+                "(2048, 4, 'rev', 0, 4) (previous default)": ((2048, 4, "rev", 0, 4),) + saved}
+    res = {k: [] for k in variants}
+    peak = {}
+    for _ in range(2):
+        for name, ws in variants.items():
+            K.WRITE_SETTINGS = ws
+            C._TUNED.clear()
+            step()
+            h.grad = w.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak[name] = torch.cuda.max_memory_allocated() - base - (h.numel() + w.numel()) * 2
+            res[name].append(triton.testing.do_bench(step, warmup=25, rep=400, grad_to_none=[h, w],
+                                                     return_mode="median"))
+    K.WRITE_SETTINGS = saved
+    out = ["", f"linear_cross_entropy fwd+bwd {N} x {Hd} x {V} bf16 (default mode), do_bench medians, two "
+               "interleaved rounds; peak GiB above inputs and gradients",
+           "| CE launch setting | round 1 ms | round 2 ms | peak GiB |", "|---|---|---|---|"]
+    for name in variants:
+        out.append(f"| {name} | {res[name][0]:.2f} | {res[name][1]:.2f} | {peak[name] / 2 ** 30:.2f} |")
     print("\n".join(out), flush=True)
     return out
 

@@ -761,20 +761,23 @@ MAX_SPLIT = 64
 #: Polls of a row's counter before the split kernel gives up and writes NaN (a safeguard: see the kernel).
 MAX_SPIN = 1 << 16
 #: Candidates of a gradient-writing forward launch (BLOCK, num_warps, kind, programs per SM, stages), the default
-#: first. Measured on the H200 (docs/gpu-runs/cross_entropy-run3.md, 8192 x 128256 bf16 fwd+bwd): one program
-#: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
-#: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
-#: The per-lane log-sum-exp (kinds "lane", "laneh") was 1.88-2.95 ms in every setting (cross_entropy-run5.md): none tried.
-#: Kinds "team" and "team2" (persistent teams of co-resident programs per row, each logit read from HBM once:
-#: _ce_team_kernel, _ce_team_l2_kernel; for these the last field is their flags, see the kernels and
-#: benchmarks/cross_entropy_team.py), cross_entropy-run6.md to -run8.md: without a softcap 1.73-3.1 ms against
-#: 1.56-1.65 for "rev" (3.95-4.12 B/logit from DRAM for "team2", 5.8 for "rev", but latency-bound by the per-row
-#: exchange); with softcap 30 the register team (4096, 4, "team", 4, 1) computes tanh once per element: 2.79 ms
-#: against 2.89 for the best one-program-per-row setting, so it is the one team candidate.
-WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
-                         (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
-                         (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
-                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1), (4096, 4, "team", 4, 1))
+#: first. Kind "fast" (_ce_fast_kernel): stages = pipeline depth + 10 * (1: the forward's reciprocal on the FMA
+#: pipe, 2: the gradient pass's) + 1000 (the per-thread forward, "LOCAL"); programs per SM > 0: a persistent grid
+#: with L2 eviction hints. Measured on the H200 (docs/gpu-runs/cross_entropy-run9.md, 8192 x 128256 bf16, ce_fwd
+#: writing the gradient, do_bench medians of two interleaved rounds): plain, (8192, 8, fast, 0, 3) 1.47-1.50 ms,
+#: (4096, 8, fast, 2, 1004) 1.47, (8192, 8, fast, 0, 1003) 1.51, the earlier default (2048, 4, rev, 0, 4) 1.62-1.80
+#: in the same runs; with softcap 30, (4096, 4, fast, 0, 1014) 1.71-1.77, (8192, 8, fast, 0, 1003) 1.76, the
+#: register team (4096, 4, team, 4, 1) 2.77-2.79 and "row" 2.89. The plain kernel moves 6 bytes per logit at 98%
+#: of copy bandwidth (ncu: the gradient pass's re-read comes from HBM), so its instruction cuts (38 -> 16 per
+#: logit) buy 5-9%; the softcap kernel is MUFU-bound (ncu: XU pipe 82-92% busy) at a power-capped clock.
+#: Earlier (cross_entropy-run3.md to -run8.md): "rev" other block/depth pairs 1.58-1.84 ms, persistent "rev" grids
+#: 2.0-3.3 ms, the per-lane "lane" kinds 1.88-2.95 ms, "team2" 1.73-3.1 ms: none tried any more ("rev" and the
+#: softcap team stay as candidates). The two unpipelined "fast" settings (stages 1: loads straight to registers,
+#: no shared-memory staging, less on-chip traffic at a power-capped clock) were first timed in run 9's last call.
+WRITE_SETTINGS: tuple = ((8192, 8, "fast", 0, 1003), (8192, 8, "fast", 0, 3), (4096, 8, "fast", 2, 1004),
+                         (8192, 8, "fast", 2, 1003), (4096, 4, "fast", 0, 1014), (4096, 8, "fast", 0, 1014),
+                         (2048, 4, "fast", 0, 1004), (4096, 4, "fast", 0, 1011), (8192, 8, "fast", 0, 1001),
+                         (2048, 4, "rev", 0, 4), (4096, 4, "team", 4, 1))
 
 
 def _candidates(V: int, write: bool = False, split: bool = False):
