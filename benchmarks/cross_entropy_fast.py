@@ -249,6 +249,7 @@ def providers(x, t, best):
         out.append(f"(Liger unavailable or without softcap: {e!r})")
     saved = K.WRITE_SETTINGS
     res = {k: [] for k in fns}
+    chosen = {}
     for _ in range(2):
         for k, f in fns.items():
             K.WRITE_SETTINGS = (best[k[1]],) + tuple(s for s in saved if s != best[k[1]])
@@ -259,6 +260,8 @@ def providers(x, t, best):
             except Exception as e:
                 res[k].append(float("nan"))
                 print("failed", k, repr(e)[:300])
+            if k[0] == "mfuwatch":
+                chosen.update({kk[2][2]: v for kk, v in C.tuned_settings().items() if kk[0] == "ce_fwd"})
     K.WRITE_SETTINGS = saved
     for p in ("mfuwatch", "torch.compile", "Liger 0.8.5", "eager fp32"):
         cells = []
@@ -268,7 +271,7 @@ def providers(x, t, best):
         out.append(f"| {p} | {cells[0]} | {cells[1]} |")
     out.append(f"(mfuwatch with the sweep's best settings first among the tuner's candidates, autotune "
                f"{'on' if C.AUTOTUNE else 'off'}: {best}; chosen: "
-               f"{ {k[2][2]: v for k, v in C.tuned_settings().items() if k[0] == 'ce_fwd'} })")
+               f"{chosen} (keyed by softcap > 0))")
     print("\n".join(out), flush=True)
     return out
 

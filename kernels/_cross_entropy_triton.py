@@ -20,18 +20,26 @@ mass (``c * tanh(-inf)`` would be ``-c``).
 
 Bytes per element of ``b`` bytes: the forward reads the row once (``b``); the gradient pass reads it
 again and writes ``dx`` (``2b``). The fused forward (``write_grad``) runs both passes in one program, one
-program per row; thousands of rows are in flight, far more than L2 holds, so the second read comes mostly
-from HBM. The gradient pass walks the row backwards (its first blocks are the ones the first pass read last,
-the likeliest still in L2) and both passes pipeline their loads: 1.575 ms at 8192 x 128256 bf16, 5.6 bytes
-per logit at copy bandwidth (``docs/gpu-runs/cross_entropy-run3.md``; 1.835 ms in the forward order
-unpipelined). Persistent grids with eviction hints (fewer rows in flight) and the split kernel (each row
-read once) were measured slower; they stay as options. So do the persistent team kernels (``_ce_team_kernel``:
-a row's segments held in registers by S co-resident programs; ``_ce_team_l2_kernel``: each segment streamed twice,
-the second read from L2), which read each logit from HBM once (3.95-4.12 bytes per logit under ncu) but wait
-~3 us per row step for the other segments' partials: 1.73-1.95 ms (``docs/gpu-runs/cross_entropy-run6.md`` to
-``-run8.md``). With a softcap the register team computes tanh and sech^2 once per element (three MUFU
-operations instead of six): 2.79 ms against 2.89, so it is a tuner candidate. The unfused backward reads the
-saved ``lse``.
+program per row; thousands of rows are in flight, far more than L2 holds, so the second read comes from HBM
+(ncu: 4.11 GB read for 2.10 GB of bf16 logits at 8192 x 128256, ``docs/gpu-runs/cross_entropy-run9.md``). The
+gradient pass walks the row backwards (its first blocks are the ones the first pass read last) and both passes
+pipeline their loads. The default kernel, ``_ce_fast_kernel`` (kind "fast"), does the fewest instructions per
+element: full blocks unmasked and one masked tail, label smoothing and z-loss compiled out when 0, the target
+column's ``- (1 - eps)`` written by one scalar store after the gradient pass instead of a compare and select per
+element, exp as one ``ex2.approx.ftz`` (``tl.exp2`` adds a subnormal fix-up of three instructions) and the
+reciprocal as one ``rcp.approx.ftz`` (both inline PTX on a GPU, plain ``tl`` in the interpreter), optionally the
+reciprocal on the FMA pipe, optionally a per-thread forward (no cross-thread reduction per block; with a softcap
+``c <= 40`` no running max either, since ``z <= c``): 16-20 instructions per logit against 41 for the earlier
+"rev" kernel (``_ce_fwd_kernel``). Without a softcap it is then bound by HBM (6 bytes per logit at 98% of copy
+bandwidth): 1.47-1.51 ms at 8192 x 128256 bf16 against 1.62-1.80 ms for "rev" in the same runs. With softcap 30
+it is bound by the MUFU pipe (six per logit: ex2 and rcp for tanh, ex2 for the exponential, in each pass; ncu's XU
+pipe 82-92% busy) at a clock the 700 W power cap holds at 1.4-2.0 GHz: 1.57-1.83 ms against 2.79 ms for the
+register team kernel and 2.89 for "rev"/"row". Persistent grids with eviction hints (fewer rows in flight) and the
+split kernel (each row read once) were measured slower or no faster; they stay as options. So do the persistent
+team kernels (``_ce_team_kernel``: a row's segments held in registers by S co-resident programs;
+``_ce_team_l2_kernel``: each segment streamed twice, the second read from L2), which read each logit from HBM
+once (3.95-4.12 bytes per logit under ncu) but wait ~3 us per row step for the other segments' partials: 1.73-1.95
+ms (``docs/gpu-runs/cross_entropy-run6.md`` to ``-run8.md``). The unfused backward reads the saved ``lse``.
 Offsets are int64 (``row * stride`` past 2^31 elements). No host-device sync anywhere: the mean's
 ``1 / count`` and the upstream gradient are read from device memory by the kernels.
 """
@@ -580,7 +588,10 @@ def _ce_fast_kernel(
     # V // BLOCK full blocks unmasked and one masked tail block; no sum of z unless SMOOTH (label smoothing), no
     # z-loss factor unless ZLOSS; exp as one ex2 (an FFMA folds the log2(e) scale and the max); the target
     # column's "- (1 - eps)" not as a compare and select per element but as one scalar store after the gradient
-    # pass (behind a barrier, so that it lands after the vector store of its block).
+    # pass (behind a barrier, so that it lands after the vector store of its block). NEWTON1/NEWTON2: the softcap's
+    # reciprocal on the FMA pipe in the forward / gradient pass (_rcp12). LOCAL: the forward keeps a running max
+    # and sum per 16-byte vector of the block inside each thread (VEC elements), combined across threads once per
+    # row; FIXED (LOCAL with a softcap c <= FIXED_MAX_SOFTCAP): sum exp(z - c), no max at all.
     LOG2E: tl.constexpr = 1.4426950408889634
     nfull = V // BLOCK
     tail = nfull * BLOCK
