@@ -458,3 +458,22 @@ def test_fma_pipe_reciprocal_is_accurate():
     assert float(err) < 3e-7
     q = (32 * d.double() ** 2 - 144 * d.double() + 210) / 99
     assert abs(float((q * d.double() - 1).abs().max()) - 1 / 99) < 1e-6
+
+
+@pytest.mark.parametrize("stages", [1001, 1011])
+def test_fast_kernel_local_forward_with_a_large_softcap(stages, gen):
+    """A softcap above FIXED_MAX_SOFTCAP (50 > 40): the per-thread forward keeps its running max (exp(z - c) could
+    underflow to 0 for z near -c), on logits spread wide enough (x up to ~120) to saturate it."""
+    K = importlib.import_module("mfuwatch.kernels._cross_entropy_triton")
+    assert 50.0 > K.FIXED_MAX_SOFTCAP
+    x = torch.randn(6, 70, generator=gen) * 40
+    t = torch.randint(0, 70, (6,), generator=gen)
+    t[4] = -100
+    dx = torch.full_like(x, float("nan")).to(DEVICE)
+    loss, _ = K.ce_fwd(x.to(DEVICE), t.to(DEVICE), -100, 0.1, 1e-3, 50.0, grad_scale=torch.tensor([0.5]).to(DEVICE),
+                       dx=dx, setting=(16, 1, "fast", 0, stages))
+    x64 = x.double().requires_grad_()
+    rows = ref_rows(x64, t, -100, 0.1, 1e-3, 50.0)
+    (rows.sum() * 0.5).backward()
+    assert_close(loss.cpu(), rows.detach(), torch.float32, "loss rows")
+    assert_close(dx.cpu(), x64.grad, torch.float32, "dlogits")
