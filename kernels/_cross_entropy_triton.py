@@ -20,18 +20,26 @@ mass (``c * tanh(-inf)`` would be ``-c``).
 
 Bytes per element of ``b`` bytes: the forward reads the row once (``b``); the gradient pass reads it
 again and writes ``dx`` (``2b``). The fused forward (``write_grad``) runs both passes in one program, one
-program per row; thousands of rows are in flight, far more than L2 holds, so the second read comes mostly
-from HBM. The gradient pass walks the row backwards (its first blocks are the ones the first pass read last,
-the likeliest still in L2) and both passes pipeline their loads: 1.575 ms at 8192 x 128256 bf16, 5.6 bytes
-per logit at copy bandwidth (``docs/gpu-runs/cross_entropy-run3.md``; 1.835 ms in the forward order
-unpipelined). Persistent grids with eviction hints (fewer rows in flight) and the split kernel (each row
-read once) were measured slower; they stay as options. So do the persistent team kernels (``_ce_team_kernel``:
-a row's segments held in registers by S co-resident programs; ``_ce_team_l2_kernel``: each segment streamed twice,
-the second read from L2), which read each logit from HBM once (3.95-4.12 bytes per logit under ncu) but wait
-~3 us per row step for the other segments' partials: 1.73-1.95 ms (``docs/gpu-runs/cross_entropy-run6.md`` to
-``-run8.md``). With a softcap the register team computes tanh and sech^2 once per element (three MUFU
-operations instead of six): 2.79 ms against 2.89, so it is a tuner candidate. The unfused backward reads the
-saved ``lse``.
+program per row; thousands of rows are in flight, far more than L2 holds, so the second read comes from HBM
+(ncu: 4.11 GB read for 2.10 GB of bf16 logits at 8192 x 128256, ``docs/gpu-runs/cross_entropy-run9.md``). The
+gradient pass walks the row backwards (its first blocks are the ones the first pass read last) and both passes
+pipeline their loads. The default kernel, ``_ce_fast_kernel`` (kind "fast"), does the fewest instructions per
+element: full blocks unmasked and one masked tail, label smoothing and z-loss compiled out when 0, the target
+column's ``- (1 - eps)`` written by one scalar store after the gradient pass instead of a compare and select per
+element, exp as one ``ex2.approx.ftz`` (``tl.exp2`` adds a subnormal fix-up of three instructions) and the
+reciprocal as one ``rcp.approx.ftz`` (both inline PTX on a GPU, plain ``tl`` in the interpreter), optionally the
+reciprocal on the FMA pipe, optionally a per-thread forward (no cross-thread reduction per block; with a softcap
+``c <= 40`` no running max either, since ``z <= c``): 16-20 instructions per logit against 41 for the earlier
+"rev" kernel (``_ce_fwd_kernel``). Without a softcap it is then bound by HBM (6 bytes per logit at 98% of copy
+bandwidth): 1.47-1.51 ms at 8192 x 128256 bf16 against 1.62-1.80 ms for "rev" in the same runs. With softcap 30
+it is bound by the MUFU pipe (six per logit: ex2 and rcp for tanh, ex2 for the exponential, in each pass; ncu's XU
+pipe 82-92% busy) at a clock the 700 W power cap holds at 1.4-2.0 GHz: 1.57-1.83 ms against 2.79 ms for the
+register team kernel and 2.89 for "rev"/"row". Persistent grids with eviction hints (fewer rows in flight) and the
+split kernel (each row read once) were measured slower or no faster; they stay as options. So do the persistent
+team kernels (``_ce_team_kernel``: a row's segments held in registers by S co-resident programs;
+``_ce_team_l2_kernel``: each segment streamed twice, the second read from L2), which read each logit from HBM
+once (3.95-4.12 bytes per logit under ncu) but wait ~3 us per row step for the other segments' partials: 1.73-1.95
+ms (``docs/gpu-runs/cross_entropy-run6.md`` to ``-run8.md``). The unfused backward reads the saved ``lse``.
 Offsets are int64 (``row * stride`` past 2^31 elements). No host-device sync anywhere: the mean's
 ``1 / count`` and the upstream gradient are read from device memory by the kernels.
 """
@@ -522,7 +530,221 @@ def _scale_kernel(DX, G, n, BLOCK: tl.constexpr):  # DX: (n,) contiguous, scaled
             tl.store(DX + offs, (d * g).to(DX.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _ex2(x, ASM: tl.constexpr):
+    """2^x in fp32. ``ASM`` (a GPU, not the interpreter, which cannot run inline PTX): ``ex2.approx.ftz.f32``, one
+    MUFU.EX2; ``tl.exp2`` lowers to the non-ftz ``ex2.approx.f32``, which adds a compare and two predicated
+    multiplies per element to scale subnormal results (seen in the SASS, docs/gpu-runs/cross_entropy-run9.md).
+    Results below 2^-126 flush to 0: probabilities that small change no fp32 sum and no bf16/fp16 gradient
+    by more than 2^-126 absolute."""
+    if ASM:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = tl.exp2(x)
+    return y
+
+
+@triton.jit
+def _rcp12(d, NEWTON: tl.constexpr, ASM: tl.constexpr):
+    """1 / d for ``d`` in [1, 2], fp32. ``NEWTON``: on the FMA pipe alone (no MUFU.RCP): the minimax quadratic of
+    relative error 1/99 (``d q(d) = 1 + T3(2d - 3) / 99``, T3 the Chebyshev polynomial, so
+    ``q(d) = (32 d^2 - 144 d + 210) / 99``) and two Newton steps ``r += r (1 - d r)`` (error 1/99 -> 1e-4 -> 1e-8,
+    then fp32 rounding): six FFMA. Else ``rcp.approx.ftz.f32`` (one MUFU.RCP, 1 ulp) on a GPU, a division in
+    the interpreter."""
+    if NEWTON:
+        r = (d * (32.0 / 99.0) - 144.0 / 99.0) * d + 210.0 / 99.0
+        r = r + r * (1.0 - d * r)
+        r = r + r * (1.0 - d * r)
+    elif ASM:
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        r = 1.0 / d
+    return r
+
+
+@triton.jit
+def _softcap_fast(x, k, c, NEWTON: tl.constexpr, ASM: tl.constexpr):
+    """``(z, e, r)``: ``z = c tanh(x / c)``, ``e = exp(-2|x / c|)`` (``k = -2 log2(e) / c``), ``r = 1 / (1 + e)``;
+    ``sech(x / c)^2 = 4 e r^2``. ``c tanh(|x| / c) = c (2 r - 1)`` (one FFMA), its sign set from ``x``'s sign bit
+    (one LOP3). Absolute error of ``z`` ~ c * 1e-7 (that of the formula ``(1 - e) r`` too)."""
+    e = _ex2(tl.abs(x) * k, ASM)
+    r = _rcp12(1.0 + e, NEWTON, ASM)
+    za = r * (2.0 * c) - c
+    z = (za.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    return z, e, r
+
+
+@triton.jit
+def _ce_fast_kernel(
+    X, T, LOSS, LSE, DX, SCALE,  # as _ce_fwd_kernel with WRITE_GRAD (DX may alias X)
+    rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, kexp,  # kexp = -2 log2(e) / softcap
+    HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, HINTS: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr, NEWTON1: tl.constexpr, NEWTON2: tl.constexpr, ASM: tl.constexpr,
+    LOCAL: tl.constexpr = False, VEC: tl.constexpr = 8, FIXED: tl.constexpr = False,
+):
+    # The "rev" kernel (_ce_fwd_kernel with WRITE_GRAD and REVERSE) with fewer instructions per element: the row's
+    # V // BLOCK full blocks unmasked and one masked tail block; no sum of z unless SMOOTH (label smoothing), no
+    # z-loss factor unless ZLOSS; exp as one ex2 (an FFMA folds the log2(e) scale and the max); the target
+    # column's "- (1 - eps)" not as a compare and select per element but as one scalar store after the gradient
+    # pass (behind a barrier, so that it lands after the vector store of its block). NEWTON1/NEWTON2: the softcap's
+    # reciprocal on the FMA pipe in the forward / gradient pass (_rcp12). LOCAL: the forward keeps a running max
+    # and sum per 16-byte vector of the block inside each thread (VEC elements), combined across threads once per
+    # row; FIXED (LOCAL with a softcap c <= FIXED_MAX_SOFTCAP): sum exp(z - c), no max at all.
+    LOG2E: tl.constexpr = 1.4426950408889634
+    nfull = V // BLOCK
+    tail = nfull * BLOCK
+    for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+        row = tl.full((), 0, tl.int64) + r
+        x_row = X + row * stride_x
+        t = tl.load(T + row).to(tl.int64)
+        ignored = t == ignore_index
+        valid = (t >= 0) & (t < V)
+        t_safe = tl.where(valid, t, 0)
+        if LOCAL:
+            # per-thread state: the block as (R, VEC) rows of one 16-byte vector each, a running max and rescaled sum
+            # per row of the tile (reductions along VEC stay in the thread), combined across threads once per row
+            R: tl.constexpr = BLOCK // VEC
+            offs = tl.arange(0, R)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+            mv = tl.full((R,), -float("inf"), tl.float32)
+            sv = tl.zeros((R,), tl.float32)
+            zv = tl.zeros((R,), tl.float32)
+            for i in tl.range(0, nfull, num_stages=STAGES):
+                if HINTS:
+                    x = tl.load(x_row + i * BLOCK + offs, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x = tl.load(x_row + i * BLOCK + offs).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zv += tl.sum(x, 1)
+                if FIXED:  # z <= c: exp(z - c) in [exp(-2c), 1], no max needed (see the launcher)
+                    sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
+                else:
+                    nm = tl.maximum(mv, tl.max(x, 1))
+                    ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E  # a row of -inf logits: no NaN
+                    sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
+                    mv = nm
+            if tail < V:
+                m2 = tail + offs < V
+                x = tl.load(x_row + tail + offs, mask=m2, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zv += tl.sum(tl.where(m2, x, 0.0), 1)
+                x = tl.where(m2, x, -float("inf"))
+                if FIXED:
+                    sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
+                else:
+                    nm = tl.maximum(mv, tl.max(x, 1))
+                    ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E
+                    sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
+                    mv = nm
+            if FIXED:
+                mx = softcap
+                s = tl.sum(sv, 0)
+            else:
+                mx = tl.max(mv, 0)
+                s = tl.sum(sv * _ex2(mv * LOG2E - mx * LOG2E, ASM), 0)
+            zsum = tl.sum(zv, 0)
+        else:
+            mx = -float("inf")
+            s = 0.0
+            zsum = 0.0
+            for i in tl.range(0, nfull, num_stages=STAGES):
+                cols = i * BLOCK + tl.arange(0, BLOCK)
+                if HINTS:
+                    x = tl.load(x_row + cols, eviction_policy="evict_last").to(tl.float32)
+                else:
+                    x = tl.load(x_row + cols).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zsum += tl.sum(x, 0)
+                nm = tl.maximum(mx, tl.max(x, 0))
+                s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+                mx = nm
+            if tail < V:
+                cols = tail + tl.arange(0, BLOCK)
+                m = cols < V
+                x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
+                if SMOOTH:
+                    zsum += tl.sum(tl.where(m, x, 0.0), 0)
+                x = tl.where(m, x, -float("inf"))
+                nm = tl.maximum(mx, tl.max(x, 0))
+                s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+                mx = nm
+        lse = mx + tl.log(s)
+        xt = tl.load(x_row + t_safe).to(tl.float32)
+        if HAS_SOFTCAP:
+            tht, dzdx_t = _tanh_sech2(xt * (1.0 / softcap))
+            zt = softcap * tht
+        else:
+            zt = xt
+            dzdx_t = 1.0
+        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+        loss = tl.where(valid, loss, float("nan"))
+        loss = tl.where(ignored, 0.0, loss)
+        tl.store(LOSS + row, loss)
+        tl.store(LSE + row, lse)
+        coef = tl.load(SCALE).to(tl.float32)
+        coef = tl.where(valid, coef, float("nan"))
+        coef = tl.where(ignored, 0.0, coef)
+        if ZLOSS:
+            grow = 1.0 + 2.0 * z_loss * lse
+        else:
+            grow = 1.0
+        a = coef * grow
+        sub = smoothing / V * coef
+        if HAS_SOFTCAP:  # sech^2 = 4 e r^2: the 4 folded into the scalars
+            a = a * 4.0
+            sub = sub * 4.0
+        b = lse * LOG2E
+        dx_row = DX + row * stride_dx
+        if tail < V:  # the blocks in reverse order: the tail first
+            cols = tail + tl.arange(0, BLOCK)
+            m = cols < V
+            x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON2, ASM)
+            else:
+                z = x
+            g = _ex2(z * LOG2E - b, ASM) * a
+            if SMOOTH:
+                g = g - sub
+            if HAS_SOFTCAP:
+                g = g * (e * rc * rc)
+            tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=m)
+        for i in tl.range(0, nfull, num_stages=STAGES):
+            cols = (nfull - 1 - i) * BLOCK + tl.arange(0, BLOCK)
+            if HINTS:
+                x = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = tl.load(x_row + cols).to(tl.float32)
+            if HAS_SOFTCAP:
+                z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON2, ASM)
+            else:
+                z = x
+            g = _ex2(z * LOG2E - b, ASM) * a
+            if SMOOTH:
+                g = g - sub
+            if HAS_SOFTCAP:
+                g = g * (e * rc * rc)
+            if HINTS:
+                tl.store(dx_row + cols, g.to(DX.dtype.element_ty), eviction_policy="evict_first")
+            else:
+                tl.store(dx_row + cols, g.to(DX.dtype.element_ty))
+        # the target column: p_t grow - eps / V - (1 - eps), times dz/dx and coef, over what the pass wrote there
+        tl.debug_barrier()
+        gt = (tl.exp(zt - lse) * grow - smoothing / V - (1.0 - smoothing)) * dzdx_t * coef
+        tl.store(dx_row + t_safe, gt.to(DX.dtype.element_ty))
+
+
 _FWD = Launcher(_ce_fwd_kernel)
+_FWD_FAST = Launcher(_ce_fast_kernel)
 _FWD_SPLIT = Launcher(_ce_fwd_split_kernel)
 _FWD_TEAM = Launcher(_ce_team_kernel)
 _FWD_TEAM_L2 = Launcher(_ce_team_l2_kernel)
@@ -541,25 +763,32 @@ _SCALE = Launcher(_scale_kernel)
 #: (BLOCK, num_warps) of the split kernel's candidates: none by default. Measured on the H200 (run 2 sweep,
 #: 8192 x 128256 bf16 fwd+bwd): 2.73-3.75 ms against 1.86 ms for one program per row, so it is not tried.
 SPLIT_SETTINGS: tuple = ()
+#: Largest softcap c for which the "fast" kernel's per-thread forward sums exp(z - c) without a running max: z <= c,
+#: so every term is at least exp(-2c), a normal fp32 number (>= 2^-126, ``ex2.approx.ftz`` flushes below) for
+#: 2c log2(e) < 126, c < 43.6.
+FIXED_MAX_SOFTCAP = 40.0
 #: Most programs per row of the split kernel (its partials are read as one block of this many).
 MAX_SPLIT = 64
 #: Polls of a row's counter before the split kernel gives up and writes NaN (a safeguard: see the kernel).
 MAX_SPIN = 1 << 16
 #: Candidates of a gradient-writing forward launch (BLOCK, num_warps, kind, programs per SM, stages), the default
-#: first. Measured on the H200 (docs/gpu-runs/cross_entropy-run3.md, 8192 x 128256 bf16 fwd+bwd): one program
-#: per row of 2048-element blocks, loads pipelined 4 deep and the gradient pass reversed, 1.58 ms; 3 deep 1.65 ms;
-#: the forward-order pass 3 deep 1.71 ms; unpipelined 1.82-1.84 ms; persistent grids 2.0-2.7 ms (none tried).
-#: The per-lane log-sum-exp (kinds "lane", "laneh") was 1.88-2.95 ms in every setting (cross_entropy-run5.md): none tried.
-#: Kinds "team" and "team2" (persistent teams of co-resident programs per row, each logit read from HBM once:
-#: _ce_team_kernel, _ce_team_l2_kernel; for these the last field is their flags, see the kernels and
-#: benchmarks/cross_entropy_team.py), cross_entropy-run6.md to -run8.md: without a softcap 1.73-3.1 ms against
-#: 1.56-1.65 for "rev" (3.95-4.12 B/logit from DRAM for "team2", 5.8 for "rev", but latency-bound by the per-row
-#: exchange); with softcap 30 the register team (4096, 4, "team", 4, 1) computes tanh once per element: 2.79 ms
-#: against 2.89 for the best one-program-per-row setting, so it is the one team candidate.
-WRITE_SETTINGS: tuple = ((2048, 4, "rev", 0, 4), (2048, 4, "rev", 0, 5), (2048, 4, "rev", 0, 6),
-                         (4096, 8, "rev", 0, 4), (4096, 4, "rev", 0, 4), (2048, 2, "rev", 0, 4),
-                         (1024, 2, "rev", 0, 4), (1024, 2, "rev", 0, 6), (2048, 4, "revh", 0, 4),
-                         (2048, 4, "rev", 0, 3), (2048, 4, "row", 0, 1), (4096, 4, "team", 4, 1))
+#: first. Kind "fast" (_ce_fast_kernel): stages = pipeline depth + 10 * (1: the forward's reciprocal on the FMA
+#: pipe, 2: the gradient pass's) + 1000 (the per-thread forward, "LOCAL"); programs per SM > 0: a persistent grid
+#: with L2 eviction hints. Measured on the H200 (docs/gpu-runs/cross_entropy-run9.md, 8192 x 128256 bf16, ce_fwd
+#: writing the gradient, do_bench medians of two interleaved rounds): plain, (8192, 8, fast, 0, 3) 1.47-1.50 ms,
+#: (4096, 8, fast, 2, 1004) 1.47, (8192, 8, fast, 0, 1003) 1.51, the earlier default (2048, 4, rev, 0, 4) 1.62-1.80
+#: in the same runs; with softcap 30, (4096, 4, fast, 0, 1014) 1.71-1.77, (8192, 8, fast, 0, 1003) 1.76, the
+#: register team (4096, 4, team, 4, 1) 2.77-2.79 and "row" 2.89. The plain kernel moves 6 bytes per logit at 98%
+#: of copy bandwidth (ncu: the gradient pass's re-read comes from HBM), so its instruction cuts (38 -> 16 per
+#: logit) buy 5-9%; the softcap kernel is MUFU-bound (ncu: XU pipe 82-92% busy) at a power-capped clock.
+#: Earlier (cross_entropy-run3.md to -run8.md): "rev" other block/depth pairs 1.58-1.84 ms, persistent "rev" grids
+#: 2.0-3.3 ms, the per-lane "lane" kinds 1.88-2.95 ms, "team2" 1.73-3.1 ms: none tried any more ("rev" and the
+#: softcap team stay as candidates). The two unpipelined "fast" settings (stages 1: loads straight to registers,
+#: no shared-memory staging, less on-chip traffic at a power-capped clock) were first timed in run 9's last call.
+WRITE_SETTINGS: tuple = ((8192, 8, "fast", 0, 1003), (8192, 8, "fast", 0, 3), (4096, 8, "fast", 2, 1004),
+                         (8192, 8, "fast", 2, 1003), (4096, 4, "fast", 0, 1014), (4096, 8, "fast", 0, 1014),
+                         (2048, 4, "fast", 0, 1004), (4096, 4, "fast", 0, 1011), (8192, 8, "fast", 0, 1001),
+                         (2048, 4, "rev", 0, 4), (4096, 4, "team", 4, 1))
 
 
 def _candidates(V: int, write: bool = False, split: bool = False):
@@ -736,6 +965,19 @@ def ce_fwd(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: 
                        {"S": S, "SP": pow2_at_least(S), "HAS_SOFTCAP": softcap > 0, "BLOCK": block}, warps)
             return
         grid = rows if pps == 0 else min(rows, pps * sm_count(x.device))
+        if kind == "fast" and write:  # stages: pipeline depth + 10 * (1: the forward's reciprocal on the FMA pipe,
+            # 2: the gradient pass's, 3: both) + 100 (tl.exp2 and divisions instead of the inline PTX: a benchmark's
+            # ablation)
+            local, rest = divmod(stages, 1000)
+            plain_tl, rest = divmod(rest, 100)
+            newton, st = divmod(rest, 10)
+            _FWD_FAST(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing),
+                             float(z_loss), cap, -2.0 * math.log2(math.e) / cap),
+                      {"HAS_SOFTCAP": softcap > 0, "SMOOTH": smoothing != 0, "ZLOSS": z_loss != 0, "HINTS": pps > 0,
+                       "BLOCK": block, "STAGES": max(1, st), "NEWTON1": bool(newton & 1), "NEWTON2": bool(newton & 2),
+                       "ASM": not INTERPRET and not plain_tl, "LOCAL": bool(local), "VEC": 16 // x.element_size(),
+                       "FIXED": bool(local) and 0 < softcap <= FIXED_MAX_SOFTCAP}, warps)
+            return
         _FWD(grid, (x2, t, loss, lse, d2, scale, rows, sx, sd, V, ignore_index, float(smoothing), float(z_loss),
                     cap),
              {"HAS_SOFTCAP": softcap > 0, "WRITE_GRAD": write,

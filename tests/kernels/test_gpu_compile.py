@@ -3,7 +3,7 @@
 The interpreter (which runs the other tests) never lowers a kernel to PTX, so an op that the
 GPU compiler rejects would only show on the GPU machine. This compiles each kernel family with
 the settings the launchers use (the backward with one and two rows per step), for bf16 and fp32, to a cubin with the ptxas bundled in the
-triton wheel.
+triton wheel; the cross-entropy "fast" kernel with its inline PTX (ex2/rcp.approx.ftz) in two specialisations.
 """
 
 import textwrap
@@ -61,6 +61,14 @@ SCRIPT = textwrap.dedent(
         sig = {a: ("*" + dt if i < 6 else "i32") for i, a in enumerate(names[:-8])}
         comp(RT._rotary_kernel, sig, dict(INTERLEAVED=interleaved, BACKWARD=backward, HAS_PASS=has_pass, BLOCK_T=1,
                                           BLOCK_HQ=32, BLOCK_HK=8, BLOCK_R=64, BLOCK_P=32 if has_pass else 1), 4)
+    from mfuwatch.kernels import _cross_entropy_triton as CE
+    ce_sig = dict(X="*bf16", T="*i64", LOSS="*fp32", LSE="*fp32", DX="*bf16", SCALE="*fp32", rows="i32",
+                  stride_x="i32", stride_dx="i32", V="i32", ignore_index="i32", smoothing="fp32", z_loss="fp32",
+                  softcap="fp32", kexp="fp32")
+    for cap, local, newton in ((False, False, False), (True, True, True)):  # the inline PTX (ex2, rcp) assembles
+        comp(CE._ce_fast_kernel, ce_sig, dict(HAS_SOFTCAP=cap, SMOOTH=cap, ZLOSS=cap, HINTS=local, BLOCK=4096,
+                                              STAGES=3, NEWTON1=newton, NEWTON2=False, ASM=True, LOCAL=local, VEC=8,
+                                              FIXED=local), 8)
     print("compiled", n)
     """
 )
@@ -68,4 +76,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    assert_compiles_in_subprocess(SCRIPT, 48)
+    assert_compiles_in_subprocess(SCRIPT, 50)
