@@ -142,8 +142,16 @@ class TrainingHooks:
                 h.remove()
         self._handles.clear()
 
+    def _count_inputs(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """Add one training forward's tokens (:func:`count_tokens`) unless ``tokens_per_step`` is configured."""
+        if self.tokens_per_step is None:
+            n, seq = count_tokens(args, kwargs)
+            self._pending_tokens += n
+            if seq:
+                self.seq_len = seq
+
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict, may_count: bool = True,
-                     wrapper: bool = False) -> None:
+                     wrapper: bool = False, count_inputs: bool = True) -> None:
         if _is_compiling():  # traced into a graph: nothing here (see the module docstring)
             return None
         if self._in_wrapper and not wrapper:  # the model's own hooks run eagerly inside a wrapper call (a
@@ -156,11 +164,8 @@ class TrainingHooks:
                 # in eval mode passes its tokens with step(tokens=...) or tokens_per_step.
                 return None
             self.wiring.forward_start()  # fleet: goodput's input-wait / step split
-            if self.tokens_per_step is None:
-                n, seq = count_tokens(args, kwargs)
-                self._pending_tokens += n
-                if seq:
-                    self.seq_len = seq
+            if count_inputs:
+                self._count_inputs(args, kwargs)
             if self.step == 0 and not self._clock_started:
                 self._clock_started = True
                 self.wiring.clock_start()  # time the first step from its first forward
@@ -181,12 +186,17 @@ class TrainingHooks:
         """At a boundary: a step in which no hook of the model ran eagerly means that its hooks were traced
         into a compiled graph; move them to the compiled wrapper (once) and return the tokens to count for
         this step (the previous step's), else None."""
-        if self._eager_forward or self._model is None or self._wrapper is not None or self.closed:
+        if self._eager_forward or self._model is None or self.closed:
             self._eager_forward = False
             return None
         try:
-            self._wrapper = _WrapperHooks(self._model, self)
-            self._handles.append(self._wrapper)
+            if self._wrapper is None:
+                self._wrapper = _WrapperHooks(self._model, self)
+                self._handles.append(self._wrapper)
+            elif not self._wrapper.searching:
+                self._wrapper.search()  # a new wrapper (compiled again): find it
+            else:
+                return self._last_tokens  # still searching (no wrapper call yet): said once already
             log.info("mfuwatch: step %d saw no eager forward of %s (torch.compile traces its hooks into the "
                      "graph): the agent's forward hooks now run around the torch.compile wrapper; this step's "
                      "tokens are the previous step's (%d)", self.step, type(self._model).__name__, self._last_tokens)
@@ -331,54 +341,129 @@ class _CompiledInPlace:
 
 
 class _WrapperHooks:
-    """The agent's forward hooks around ``torch.compile`` wrappers of ``model`` (an ``OptimizedModule`` whose
-    ``_orig_mod`` is ``model``, or a DDP/FSDP wrapper of it with ``.module``), through torch's global module
-    hooks, which the wrapper's own ``__call__`` runs eagerly. Every other module returns at once (an identity
-    test); inside a compiled graph the hooks do nothing. torch warns on each wrapper call that global hooks
-    fire "an extra time" for the wrapper: that is the point here, so that one warning is filtered (by its
-    message). ``remove()`` removes both hooks."""
+    """The agent's forward hooks around the ``torch.compile`` wrapper of ``model`` (an ``OptimizedModule``
+    whose ``_orig_mod`` is ``model``, or a DDP/FSDP wrapper of it with ``.module``), outside the graph.
+
+    The wrapper object is not known in advance: torch's global module hooks find it at its next call (the
+    wrapper's own ``__call__`` runs them eagerly; every other module returns at once after a dict read; inside
+    a compiled graph they do nothing), and then give way to hooks on the wrapper itself (``with_kwargs``:
+    Hugging Face models take ``input_ids=...``), so eager modules stop paying for global hooks. The call that
+    finds it counts its tokens in the global forward hook, which sees the keyword arguments. While the global
+    hooks are in, torch warns at each wrapper call that they fire "an extra time" for the wrapper: that is the
+    point here, so that one warning is filtered (by its message) until they go. :meth:`search` looks for a new wrapper (the model compiled
+    again); :meth:`remove` removes every hook."""
 
     _WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
 
     def __init__(self, model: nn.Module, hooks: "TrainingHooks") -> None:
-        import warnings
+        self.model, self.hooks = model, hooks
+        self._said = False
+        self._global: list = []
+        self._instance: list = []
+        self.wrappers: list = []
+        self._filter: Any = None
+        self.search()
 
+    @property
+    def searching(self) -> bool:
+        return bool(self._global)
+
+    def _ours(self, mod: nn.Module) -> bool:
+        sub = getattr(mod, "_modules", None)  # a plain dict read: no nn.Module.__getattr__
+        orig = sub.get("_orig_mod") if isinstance(sub, dict) else None
+        return orig is not None and (orig is self.model or getattr(orig, "module", None) is self.model)
+
+    def search(self) -> None:
+        """Install the global hooks that find the next wrapper call."""
         from torch.nn.modules import module as module_mod
 
-        self.model = model
-        self._said = False
+        import warnings
 
-        def ours(mod: nn.Module) -> bool:
-            sub = getattr(mod, "_modules", None)  # a plain dict read: no nn.Module.__getattr__
-            orig = sub.get("_orig_mod") if isinstance(sub, dict) else None
-            return orig is not None and (orig is model or getattr(orig, "module", None) is model)
+        if self._global:
+            return
+        hooks, model = self.hooks, self.model
+        found: list = []
+        warnings.filterwarnings("ignore", message=self._WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]  # taken out again with the global hooks
 
         def _pre(mod: nn.Module, args: tuple) -> None:
             if _is_compiling():
                 return
             try:
-                if ours(mod):
-                    hooks._pre_forward(model, args, {}, may_count=self._may_count(mod), wrapper=True)
+                if self._ours(mod) and not any(w is mod for w in self.wrappers):
+                    found.append(mod)
+                    hooks._pre_forward(model, args, {}, may_count=self._may_count(mod), wrapper=True,
+                                       count_inputs=False)
                     hooks._in_wrapper += 1
             except Exception as exc:  # noqa: BLE001 - a global hook: never into the training loop
                 hooks.errors.count("hooks", exc)
 
-        def _post(mod: nn.Module, args: tuple, output: Any) -> None:  # always_call: also when forward raised
+        def _post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:  # always_call
             if _is_compiling():
                 return
             try:
-                if ours(mod):
+                if found and mod is found[0]:
+                    found.clear()
                     hooks._in_wrapper = max(0, hooks._in_wrapper - 1)
+                    if torch.is_grad_enabled() and model.training:
+                        hooks._count_inputs(args, kwargs)
                     hooks._post_forward(model, args, output, wrapper=True)
+                    self._adopt(mod)
             except Exception as exc:  # noqa: BLE001
                 hooks.errors.count("hooks", exc)
 
-        warnings.filterwarnings("ignore", message=self._WARNING, category=UserWarning)
-        self._handles = [module_mod.register_module_forward_pre_hook(_pre)]
+        self._global = [module_mod.register_module_forward_pre_hook(_pre)]
         try:
-            self._handles.append(module_mod.register_module_forward_hook(_post, always_call=True))
+            self._global.append(module_mod.register_module_forward_hook(_post, with_kwargs=True, always_call=True))
         except TypeError:  # a torch before always_call (2.1)
-            self._handles.append(module_mod.register_module_forward_hook(_post))
+            self._global.append(module_mod.register_module_forward_hook(_post, with_kwargs=True))
+
+    def _adopt(self, wrapper: nn.Module) -> None:
+        """Hooks on ``wrapper`` itself from now on; the global hooks go."""
+        hooks, model = self.hooks, self.model
+        may = self._may_count(wrapper)
+
+        def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not _is_compiling():
+                hooks._pre_forward(model, args, kwargs, may_count=may, wrapper=True)
+                hooks._in_wrapper += 1
+            return None
+
+        def post(mod: nn.Module, args: tuple, output: Any) -> None:
+            if not _is_compiling():
+                hooks._in_wrapper = max(0, hooks._in_wrapper - 1)
+                hooks._post_forward(model, args, output, wrapper=True)
+            return None
+
+        self.wrappers.append(wrapper)
+        self._instance.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
+        try:
+            self._instance.append(wrapper.register_forward_hook(post, always_call=True))
+        except TypeError:
+            self._instance.append(wrapper.register_forward_hook(post))
+        self._drop_global()
+
+    def _drop_global(self) -> None:
+        """Remove the global hooks. torch's handle of a ``with_kwargs`` global forward hook leaves its id in
+        ``_global_forward_hooks_with_kwargs`` (torch 2.13: not among the handle's ``extra_dict``), which keeps
+        ``_has_any_global_hook()`` true and torch warning at every ``torch.compile`` wrapper call of the job:
+        the id is dropped there too."""
+        from torch.nn.modules import module as module_mod
+
+        import warnings
+
+        for h in self._global:
+            h.remove()
+            left = getattr(module_mod, "_global_forward_hooks_with_kwargs", None)
+            if isinstance(left, dict):
+                left.pop(h.id, None)
+        self._global = []
+        f, self._filter = self._filter, None
+        if f is not None:
+            try:
+                warnings.filters.remove(f)
+            except ValueError:  # the user's code reset the filters
+                pass
 
     def _may_count(self, wrapper: nn.Module) -> bool:
         """Whether ``FlopCounterMode`` may be entered around this wrapper's call: not when it was compiled
@@ -394,6 +479,7 @@ class _WrapperHooks:
         return ok
 
     def remove(self) -> None:
-        for h in self._handles:
+        self._drop_global()
+        for h in self._instance:
             h.remove()
-        self._handles = []
+        self._instance = []
