@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .compact import to_array
+
 #: Fraction of the measured bandwidth each bundled kernel reached, forward + backward, by element count
 #: (rows × hidden) of its input: docs/gpu-runs/kernels-run8.md, "Timing — CUDA-graph replay" table (H200,
 #: bf16, torch 2.11, Triton 3.6), the mfuwatch column's percentage of HBM bandwidth. Between two sizes
@@ -86,10 +88,13 @@ def host_bound_gaps(ts: Sequence[float], dur: Sequence[float], launch_end: Seque
         queued before the GPU went idle recover nothing. An unknown launch time counts the whole gap
         (the old upper bound).
     """
-    order = sorted(range(len(ts)), key=lambda k: ts[k])
+    import numpy as np
+
     out: List[Tuple[float, int, int]] = []
-    if not order:
+    if not len(ts):
         return out
+    # activities by start (equal starts in index order), as an array("q"): 8 bytes an activity, not a list of ints
+    order = to_array(np.argsort(np.asarray(ts, dtype=np.float64), kind="stable").astype(np.int64))
     reach, last = ts[order[0]] + dur[order[0]], order[0]
     for k in order[1:]:
         gap = ts[k] - reach
@@ -148,15 +153,23 @@ def graphs_after_compile(regions: Sequence[RegionLaunches], host_us_per_launch: 
     return sum(max(0.0, r.kernels_after * per - r.gpu_us_after) for r in regions if r.launches > 0)
 
 
+def gap_key(k: int) -> int:
+    """The :class:`Claim` key of the host-bound idle gap before GPU activity ``k`` (``k`` ≥ 0): ``-1 - k``,
+    negative, so it never equals an op's key (the op's id, ≥ 0). Plain ints rather than tuples such as
+    ``("gap", k)``: 64 bytes less per key."""
+    return -1 - k
+
+
 @dataclass
 class Claim:
     """What one suggestion replaces, for :func:`combine`.
 
     ``gain``: its gain alone (fraction of step time); ``time_us``: µs in the window of each thing its gain
-    comes from, keyed ``("op", top-level op id)`` for ops (forward and backward) and ``("gap", activity
-    index)`` for host-bound idle gaps; ``also``: what it removes besides, without counting it in its gain
-    (a fix that fuses or replaces ops removes their launches, and with them the host-bound gaps next to
-    their kernels: a later ``cuda_graphs`` cannot gain them again).
+    comes from; ``also``: what it removes besides, without counting it in its gain (a fix that fuses or
+    replaces ops removes their launches, and with them the host-bound gaps next to their kernels: a later
+    ``cuda_graphs`` cannot gain them again). Keys are any hashables, equal when two claims take the same
+    thing: :mod:`.suggest` keys a top-level op (forward or backward) by its id (an int ≥ 0) and the
+    host-bound idle gap before GPU activity ``k`` by :func:`gap_key` (a negative int).
     """
 
     kernel: str

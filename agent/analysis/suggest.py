@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import re
 from array import array
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import gain_model
+from .compact import IdSet, IntGroups, SparseColumn, np_view, to_array
 from .opcost import DTYPE_BYTES, MATMUL_OPS, VIEW_OPS
 from .roofline import Window
+from .trace import TraceIndex
 from ..schema import Suggestion
 
 #: Smallest expected gain (fraction of step time) worth reporting.
@@ -56,74 +59,106 @@ class _Match:
 class _Context:
     """Per-top-level-op aggregates of a window, the forward op streams and the forward→backward links.
 
-    ``time``/``mem``/``flop_s``/``bytes`` are arrays indexed by op (non-zero on top-level ops only):
-    µs of activity under the op, of which memory-bound; the seconds its distinct launching ops'
-    FLOPs need at their unit's peak; their bytes.
+    Everything is held in typed arrays, not per-op Python objects (a 1 GB trace has ~1.5 M ops, ~150 k of
+    them top-level ops that launched work; docs/reliability.md, "Where ``analyze``'s memory goes"):
+
+    * ``time``/``mem``/``flop_s``/``bytes``: :class:`.compact.SparseColumn` s read by op id (0.0 on any op
+      but a top-level op that launched GPU work): µs of activity under the op, of which memory-bound; the
+      seconds its distinct launching ops' FLOPs need at their unit's peak; their bytes. The four share
+      ``top_ids`` (``array("q")``, ascending op ids), the top-level ops of the window's activities.
+    * ``tops``: ``array("q")``, the top-level ops (not annotations) that launched work, ascending.
+    * ``backward``: :class:`.compact.IntGroups`, sequence number → the backward nodes (top-level
+      ``autograd::engine::evaluate_function:`` ops that launched work) with it, ascending.
+    * ``seqs``: :class:`.compact.IntGroups`, forward top-level op → the sequence numbers of the ops inside
+      it that have one (itself included), in op order; a number may repeat.
+    * ``streams``: one ``array("q")`` per thread (threads in the order of their first op), its forward
+      top-level ops that launched work, by start time: the op stream the patterns are matched in.
     """
 
     def __init__(self, w: Window) -> None:
+        import numpy as np
+
         ix = w.index
         self.w, self.ix = w, ix
         n = len(ix.op_ts)
-        self.time, self.mem = array("d", bytes(8 * n)), array("d", bytes(8 * n))
-        self.flop_s, self.bytes = array("d", bytes(8 * n)), array("d", bytes(8 * n))
+        op_top = np_view(ix.op_top, np.int32)
+        # the top-level op of each activity (-1: no launching op); the columns hold one value per distinct one
+        kr_op = np_view(w.kr_op, np.int64)
+        kr_top = np.full(kr_op.size, -1, dtype=np.int64)
+        launched = kr_op >= 0
+        kr_top[launched] = op_top[kr_op[launched]]
+        self.top_ids = to_array(np.unique(kr_top[launched]))
+        pos = to_array(np.searchsorted(np_view(self.top_ids, np.int64), kr_top))  # activity -> column position
+        del kr_op, kr_top, launched
+        m = len(self.top_ids)
+        self.time, self.mem, self.flop_s, self.bytes = (SparseColumn(self.top_ids, array("d", bytes(8 * m)))
+                                                        for _ in range(4))
+        time, mem, flop_s, nbytes = self.time.values, self.mem.values, self.flop_s.values, self.bytes.values
         seen = bytearray(n)
-        for op, dur, bound in zip(w.kr_op, w.kr_dur, w.kr_bound):
+        for k, (op, dur, bound) in enumerate(zip(w.kr_op, w.kr_dur, w.kr_bound)):
             if op < 0:
                 continue
-            t = ix.op_top[op]
-            self.time[t] += dur
+            p = pos[k]
+            time[p] += dur
             if bound == "memory":
-                self.mem[t] += dur
+                mem[p] += dur
             if not seen[op]:
                 seen[op] = 1
                 c = w.cost(op)
                 if c is not None:
-                    self.flop_s[t] += c.flops / w.peaks.flops_for(c.dtype, c.matmul)
-                    self.bytes[t] += c.bytes
-        del seen
+                    flop_s[p] += c.flops / w.peaks.flops_for(c.dtype, c.matmul)
+                    nbytes[p] += c.bytes
+        del seen, pos
+        worked = bytearray(n)  # 1: a top-level op whose activities took time
+        for t, us in zip(self.top_ids, time):
+            if us > 0:
+                worked[t] = 1
         names = ix.names
         backward_names = {i for i, s in enumerate(names) if s.startswith(_BACKWARD_PREFIX)}
-        self.tops: List[int] = []  # top-level ops that launched work
-        self.backward: Dict[int, List[int]] = {}  # sequence number -> backward nodes that launched work
-        self.seqs: Dict[int, List[int]] = {}  # forward top-level op -> sequence numbers inside it
-        streams: Dict[int, List[int]] = {}
-        time, top_of, seq_of, name_of = self.time, ix.op_top, ix.op_seq, ix.op_name
+        self.tops = array("q")
+        bwd_seq, bwd_op = array("q"), array("q")  # entries of `backward`
+        fwd_top, fwd_seq = array("q"), array("q")  # entries of `seqs`
+        stream_thread, stream_op = array("q"), array("q")
+        top_of, seq_of, name_of, kind = ix.op_top, ix.op_seq, ix.op_name, ix.op_kind
         for i in range(n):
             t = top_of[i]
-            if ix.op_kind[i] or time[t] <= 0:
+            if kind[i] or not worked[t]:
                 continue
             seq = seq_of[i]
             if name_of[t] in backward_names:
                 if t == i:
                     self.tops.append(i)
                     if seq >= 0:
-                        self.backward.setdefault(seq, []).append(i)
+                        bwd_seq.append(seq)
+                        bwd_op.append(i)
                 continue
             if seq >= 0:
-                lst = self.seqs.setdefault(t, [])
-                if seq not in lst:
-                    lst.append(seq)
+                fwd_top.append(t)
+                fwd_seq.append(seq)
             if t == i:
                 self.tops.append(i)
                 # a "view" op that launched GPU work copied (x.float() is aten::to, x.contiguous() a clone):
                 # it is part of the op stream (HF's loss upcasts the logits with .float() before cross_entropy)
                 if w.device_type != "cpu" or (names[name_of[i]] not in VIEW_OPS and self.bytes[i] > 0):
-                    streams.setdefault(ix.op_thread[i], []).append(i)
-        self.streams = [sorted(s, key=lambda i: ix.op_ts[i]) for s in streams.values()]
-        self._thread_tops: Optional[Dict[int, Tuple[List[int], List[float]]]] = None  # built on first use
+                    stream_thread.append(ix.op_thread[i])
+                    stream_op.append(i)
+        del worked
+        self.backward = IntGroups(np_view(bwd_seq, np.int64), np_view(bwd_op, np.int64))
+        self.seqs = IntGroups(np_view(fwd_top, np.int64), np_view(fwd_seq, np.int64))
+        self.streams = _by_thread_in_time(ix, np_view(stream_thread, np.int64), np_view(stream_op, np.int64))
+        self._thread_tops: Optional[Dict[int, Tuple[array, array]]] = None  # built on first use
 
     def name(self, op: int) -> str:
         return self.ix.names[self.ix.op_name[op]]
 
-    def linked_backward(self, tops: Sequence[int], claimed: Set[int], views: Sequence[int] = ()) -> List[int]:
+    def linked_backward(self, tops: Sequence[int], claimed: IdSet, views: Sequence[int] = ()) -> List[int]:
         """Unclaimed backward nodes autograd ran for the forward top-level ops ``tops`` (every sequence number
         inside them) and for the ``views`` (top-level ops that launched nothing: their own sequence number)."""
         out: List[int] = []
-        seqs = [seq for t in tops for seq in self.seqs.get(t, ())]
+        seqs = [seq for t in tops for seq in self.seqs.get(t)]
         seqs += [self.ix.op_seq[v] for v in views if self.ix.op_seq[v] >= 0]
-        for seq in seqs:
-            out.extend(b for b in self.backward.get(seq, ()) if b not in claimed and b not in out)
+        for seq in dict.fromkeys(seqs):  # each once, in order (a repeat would add no node)
+            out.extend(b for b in self.backward.get(seq) if b not in claimed and b not in out)
         return out
 
     def views_between(self, first: int, last: int, names: Sequence[str]) -> List[int]:
@@ -133,15 +168,19 @@ class _Context:
             return []
         ix = self.ix
         if self._thread_tops is None:
-            per: Dict[int, List[int]] = {}
+            import numpy as np
+
+            top_level = array("q")
+            top_of, kind = ix.op_top, ix.op_kind
             for i in range(len(ix.op_ts)):
-                if not ix.op_kind[i] and ix.op_top[i] == i:
-                    per.setdefault(ix.op_thread[i], []).append(i)
-            self._thread_tops = {}
-            for t, v in per.items():
-                v.sort(key=lambda i: ix.op_ts[i])
-                self._thread_tops[t] = (v, [ix.op_ts[i] for i in v])
-        ops, ts = self._thread_tops.get(ix.op_thread[first], ([], []))
+                if not kind[i] and top_of[i] == i:
+                    top_level.append(i)
+            ops = np_view(top_level, np.int64)
+            threads = np_view(ix.op_thread, np.int32)[ops].astype(np.int64)
+            ts = np_view(ix.op_ts, np.float64)
+            self._thread_tops = {ix.op_thread[s[0]]: (s, to_array(ts[np_view(s, np.int64)]))
+                                 for s in _by_thread_in_time(ix, threads, ops)}
+        ops, ts = self._thread_tops.get(ix.op_thread[first], (array("q"), array("d")))
         lo, hi = bisect.bisect_right(ts, ix.op_ts[first]), bisect.bisect_left(ts, ix.op_ts[last])
         wanted = set(names)
         return [i for i in ops[lo:hi] if self.time[i] <= 0 and self.name(i) in wanted]
@@ -169,6 +208,23 @@ class _Context:
             return 0.0
         sizes = [self.input_tensor(op, a) for a in range(len(self.ix.sigs[sid].types or []))]
         return float(max((n * b for n, _, b in filter(None, sizes)), default=0))
+
+
+def _by_thread_in_time(ix: TraceIndex, threads, ops) -> List[array]:
+    """The op ids ``ops`` (1-D int64, ascending) grouped by thread (``threads``: each op's thread id, int64), the
+    threads in the order of their first op, each group ordered by start time (``ix.op_ts``; ops starting at
+    the same time keep their order): one ``array("q")`` per thread."""
+    import numpy as np
+
+    if not ops.size:
+        return []
+    distinct, first = np.unique(threads, return_index=True)
+    ts = np_view(ix.op_ts, np.float64)
+    out = []
+    for thread in distinct[np.argsort(first)]:
+        mine = ops[threads == thread]
+        out.append(to_array(mine[np.argsort(ts[mine], kind="stable")]))
+    return out
 
 
 def _numel(shape) -> int:
@@ -219,7 +275,7 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
         return [], 0.0
     ctx = _Context(w)
     bw = w.bandwidth()
-    claimed: Set[int] = set()
+    claimed = IdSet(len(w.index.op_ts))  # top-level ops a drop-in's match took (the next ones skip them)
     out: List[Suggestion] = []
     claims: Dict[str, gain_model.Claim] = {}
     dropin_matches: Dict[str, List[_Match]] = {}
@@ -242,7 +298,7 @@ def suggest_set(w: Window, *, step_time_seconds: float, registry: Optional[Seque
             matches, names = _fp32_matmuls(ctx, bw)
         else:
             if r.detector == "pointwise_chain":
-                matches = _pointwise_chains(ctx, r, reg.MIN_CHAIN, set())
+                matches = _pointwise_chains(ctx, r, reg.MIN_CHAIN, IdSet(len(w.index.op_ts)))
             elif r.region:
                 matches = _region(ctx, r, claimed)
                 _infer_list_bytes(ctx, r, matches, bw)
@@ -362,26 +418,29 @@ def _regions_after_compile(ctx: _Context, where: bytearray, fusing: List[_Match]
 
 
 def _claim(ctx: _Context, r, matches: List[_Match], gaps, gain: float) -> gain_model.Claim:
-    """What a suggestion removes, keyed for :func:`.gain_model.combine`."""
+    """What a suggestion removes, keyed for :func:`.gain_model.combine`: a top-level op by its id, the
+    host-bound gap before activity ``k`` by :func:`.gain_model.gap_key` ``(k)``, an fp32 matmul activity by
+    ``("fp32", i)`` (plain ints for the first two: a 1 GB trace's claims hold ~250 k of them)."""
     c = gain_model.Claim(kernel=r.kernel, gain=gain)
+    gap_key = gain_model.gap_key
     if r.detector == "launch_bound":
-        c.time_us = {("gap", nxt): g for g, _, nxt in gaps}
+        c.time_us = {gap_key(nxt): g for g, _, nxt in gaps}
         return c
     if r.detector == "fp32_matmul":
         c.time_us = {("fp32", i): m.time_us for i, m in enumerate(matches)}
         return c
     tops = {t for m in matches for t in m.fwd + m.bwd}
-    c.time_us = {("op", t): ctx.time[t] for t in tops}
+    c.time_us = {t: ctx.time[t] for t in tops}
     for m in matches:  # backward nodes the remedy speeds up without replacing them: what it saves there
         for t, us in m.relayout.items():
-            c.time_us[("op", t)] = c.time_us.get(("op", t), 0.0) + us
+            c.time_us[t] = c.time_us.get(t, 0.0) + us
     if gaps:  # fusing ops removes their launches, and with them the host-bound gaps next to their kernels
         top_of, kr_op = ctx.ix.op_top, ctx.w.kr_op
         for g, prev, nxt in gaps:
             for k in (prev, nxt):
                 op = kr_op[k]
                 if op >= 0 and top_of[op] in tops:
-                    c.also[("gap", nxt)] = g
+                    c.also[gap_key(nxt)] = g
                     break
     return c
 
@@ -446,9 +505,20 @@ def _relayout(ctx: _Context, r, matches: List[_Match], bw: float) -> List[_Match
         return []
     own = {t for m in matches for t in m.bwd}
     names = ix.names
-    per_op: Dict[int, List[float]] = {}  # op -> [µs, all strided]
+    has_layout: Dict[int, bool] = {}  # signature -> it has an input of one of the layouts
+
+    def of_layout(sid: int) -> bool:
+        got = has_layout.get(sid)
+        if got is None:
+            s = ix.sigs[sid] if sid >= 0 else None
+            got = has_layout[sid] = bool(s is not None and s.dims and s.strides and any(
+                isinstance(d, list) and isinstance(st, list) and (tuple(d), tuple(st)) in layouts
+                for d, st in zip(s.dims, s.strides)))
+        return got
+
+    per_op: Dict[int, List[float]] = {}  # op with an input of the layouts -> [µs, all strided]
     for k, op in enumerate(w.kr_op):
-        if op < 0:
+        if op < 0 or not of_layout(ix.op_sig[op]):
             continue
         t = ix.op_top[op]
         if t in own or not ctx.name(t).startswith(_BACKWARD_PREFIX):
@@ -459,12 +529,7 @@ def _relayout(ctx: _Context, r, matches: List[_Match], bw: float) -> List[_Match
             acc[1] = 0.0
     credit: Dict[int, float] = {}
     for op, (us, strided) in per_op.items():
-        sid = ix.op_sig[op]
-        s = ix.sigs[sid] if sid >= 0 else None
-        if not strided or s is None or not s.dims or not s.strides:
-            continue
-        if not any(isinstance(d, list) and isinstance(st, list) and (tuple(d), tuple(st)) in layouts
-                   for d, st in zip(s.dims, s.strides)):
+        if not strided:
             continue
         c = w.cost(op)
         if c is None:
@@ -493,7 +558,7 @@ def _anchor(ctx: _Context, r, tops: List[int]) -> Optional[Tuple[int, int, int]]
     return sum(v[0] for v in vals), vals[0][1], vals[0][2]
 
 
-def _finish(ctx: _Context, r, fwd: List[int], claimed: Set[int]) -> _Match:
+def _finish(ctx: _Context, r, fwd: List[int], claimed: IdSet) -> _Match:
     views = ctx.views_between(fwd[0], fwd[-1], getattr(r, "views", ())) if len(fwd) > 1 else []
     bwd = ctx.linked_backward(fwd, claimed, views)
     claimed.update(fwd)
@@ -503,7 +568,7 @@ def _finish(ctx: _Context, r, fwd: List[int], claimed: Set[int]) -> _Match:
     return _Match(fwd=list(fwd), bwd=bwd, min_bytes=mb, elements=anchor[0] if anchor else 0)
 
 
-def _sequences(ctx: _Context, r, claimed: Set[int]) -> List[_Match]:
+def _sequences(ctx: _Context, r, claimed: IdSet) -> List[_Match]:
     out = []
     for stream in ctx.streams:
         i = 0
@@ -518,7 +583,7 @@ def _sequences(ctx: _Context, r, claimed: Set[int]) -> List[_Match]:
     return out
 
 
-def _match_at(ctx: _Context, stream: List[int], i: int, steps, claimed: Set[int]):
+def _match_at(ctx: _Context, stream: Sequence[int], i: int, steps, claimed: IdSet):
     pos, fwd = i, []
     for st in steps:
         found = None
@@ -536,7 +601,7 @@ def _match_at(ctx: _Context, stream: List[int], i: int, steps, claimed: Set[int]
     return (fwd, pos) if fwd else None
 
 
-def _region(ctx: _Context, r, claimed: Set[int]) -> List[_Match]:
+def _region(ctx: _Context, r, claimed: IdSet) -> List[_Match]:
     ix = ctx.ix
     rx = re.compile(r.region)
     regions = {i for i, n in enumerate(ix.names) if rx.search(n)}
@@ -574,7 +639,7 @@ def _infer_list_bytes(ctx: _Context, r, matches: List[_Match], bw: float) -> Non
             m.min_bytes = r.passes_forward * per_list * (calls or ctx.w.steps)
 
 
-def _pointwise_chains(ctx: _Context, r, min_chain: int, claimed: Set[int]) -> List[_Match]:
+def _pointwise_chains(ctx: _Context, r, min_chain: int, claimed: IdSet) -> List[_Match]:
     ix = ctx.ix
     out = []
 
@@ -584,7 +649,7 @@ def _pointwise_chains(ctx: _Context, r, min_chain: int, claimed: Set[int]) -> Li
 
     for stream in ctx.streams:
         run: List[int] = []
-        for t in stream + [-1]:
+        for t in itertools.chain(stream, (-1,)):
             if t >= 0 and pointwise(t):
                 run.append(t)
                 continue

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import urllib.error
@@ -183,18 +182,6 @@ def test_auth_bearer_and_basic(served):
     assert _status(base + "/metrics", headers={"Authorization": f"Basic {bad}"}) == 401
     assert _status(base + "/metrics", headers={"Authorization": f"Basic {good}"}) == 200
     assert "pa:ss" not in repr(Auth.basic("prom", "pa:ss"))
-
-
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "c.pem", d / "k.pem"
-    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                        "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
-    return str(cert), str(key)
 
 
 def _client_ctx(cert):

@@ -93,18 +93,6 @@ def served():
         s.close(1.0)
 
 
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "c.pem", d / "k.pem"
-    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                        "-addext", "subjectAltName=IP:127.0.0.1"], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
-    return str(cert), str(key)
-
-
 def test_the_child_serves_the_exposition_only_at_metrics_on_port_zero(served):
     reg, start = served
     srv, base = start()

@@ -48,6 +48,38 @@ def test_kernels_link_to_their_op_by_external_id_or_runtime_correlation(tmp_path
     assert index.n_kernels == 3
 
 
+def _x(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": args}
+
+
+def test_an_external_id_links_to_its_last_cpu_op_else_its_first_annotation_and_the_last_launch_wins():
+    events = [
+        _x("user_annotation", "ann", 0.0, 100.0, **{"External id": 10}),  # op 0
+        _x("cpu_op", "aten::a", 1.0, 1.0, **{"External id": 10}),  # op 1
+        _x("cpu_op", "aten::b", 3.0, 1.0, **{"External id": 10}),  # op 2: the last cpu_op of id 10
+        _x("user_annotation", "only_ann", 5.0, 1.0, **{"External id": 11}),  # op 3: the first op of id 11
+        _x("user_annotation", "only_ann2", 7.0, 1.0, **{"External id": 11}),  # op 4
+        _x("cpu_op", "aten::c", 9.0, 1.0, **{"External id": 12}),  # op 5
+        _x("cpu_op", "aten::d", 11.0, 1.0),  # op 6: no External id
+        # two launches claim correlation 501: the later one (External id 12, ending at 20) counts
+        _x("cuda_runtime", "cudaLaunchKernel", 10.0, 2.0, **{"External id": 99, "correlation": 501}),
+        _x("cuda_runtime", "cudaLaunchKernel", 18.0, 2.0, **{"External id": 12, "correlation": 501}),
+        _x("cuda_runtime", "cudaLaunchKernel", 21.0, 1.5, correlation=502),  # no External id: only its end
+        _x("kernel", "k0", 30.0, 1.0, **{"External id": 10, "correlation": 500}),
+        _x("kernel", "k1", 31.0, 1.0, **{"External id": 11, "correlation": 503}),
+        _x("kernel", "k2", 32.0, 1.0, correlation=501),  # its External id comes from the launch: 12
+        _x("kernel", "k3", 33.0, 1.0, **{"External id": 13, "correlation": 502}),  # no op has id 13
+        _x("kernel", "k4", 34.0, 1.0, correlation=777),  # no id, no launch
+    ]
+    index = TraceIndex.build(events)
+    assert list(index.k_op) == [2, 3, 5, -1, -1]
+    assert list(index.k_ext) == [10, 11, 12, 13, -1]
+    le = list(index.k_launch_end)
+    assert all(x != x for x in le[:2])  # correlations 500 and 503: no launch, NaN
+    assert le[2] == 20.0 and le[3] == 22.5  # the later launch of 501; 502's launch
+    assert le[4] != le[4]
+
+
 def test_ops_nest_per_thread_with_top_level_and_region():
     index = TraceIndex.build(_small().events)
     names = [index.op_label(i) for i in range(len(index.op_ts))]
