@@ -177,6 +177,30 @@ def parse_profile_every(value: Any) -> ProfileEvery:
     )
 
 
+def _check_bind_local(bind: str, infos: list) -> None:
+    """Raise :class:`ConfigError` when ``bind`` resolves only to addresses this machine does not have
+    (``EADDRNOTAVAIL`` from a trial bind to port 0: e.g. another host's IP), which the exporter would
+    otherwise meet later, on its own thread or child. Other bind errors are left to the exporter."""
+    import errno
+    import socket
+
+    not_here = 0
+    for family, stype, proto, _name, addr in infos:
+        s = socket.socket(family, stype, proto)
+        try:
+            s.bind((addr[0], 0) + tuple(addr[2:]))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                return
+            not_here += 1
+        finally:
+            s.close()
+    if not_here:
+        raise ConfigError(f"bind: {bind!r} is not an address of this machine (cannot assign it); expected "
+                          "'127.0.0.1', '0.0.0.0', '::' or one of this machine's own addresses or host names")
+
+
 def _check_type(name: str, value: Any, types: Tuple[type, ...], what: str) -> None:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise ConfigError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
@@ -205,10 +229,11 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
         import socket
 
         try:
-            socket.getaddrinfo(cfg.bind, None)
+            infos = socket.getaddrinfo(cfg.bind, None, type=socket.SOCK_STREAM)
         except OSError:
             raise ConfigError(f"bind: cannot resolve {cfg.bind!r}; expected an address such as '127.0.0.1', "
                               "'0.0.0.0' or a host name of this machine") from None
+        _check_bind_local(cfg.bind, infos)
     if (cfg.tls_certfile is None) != (cfg.tls_keyfile is None):
         raise ConfigError("tls_certfile / tls_keyfile: give both or neither")
     for name in ("tls_certfile", "tls_keyfile"):
@@ -242,8 +267,8 @@ def _validate(cfg: AgentConfig) -> AgentConfig:
                 except ValueError:
                     pass
             _check_type(name, v, (int, float), "a positive number or null (e.g. 1.0e12)")
-            if not v > 0:
-                raise ConfigError(f"{name}: expected a positive number or null, got {v}")
+            if not (v > 0 and v != float("inf")):  # NaN fails both; an infinite peak would read as MFU 0
+                raise ConfigError(f"{name}: expected a positive finite number or null (e.g. 1.0e12), got {v}")
             setattr(cfg, name, float(v))
     if cfg.tokens_per_step is not None:
         _check_type("tokens_per_step", cfg.tokens_per_step, (int,), "a positive integer or null")

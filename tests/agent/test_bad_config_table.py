@@ -19,6 +19,14 @@ AGENT_BAD = [
     ({"port": 187020}, "port", "0..65535"),
     ({"port": 65535, "local_rank": 3}, "port", "65535"),
     ({"profile_every": "15 parsecs"}, "profile_every", "'300s'"),
+    # fresh-user pass (issue 28): an infinite peak read as MFU 0 (MfuLow on a made-up value)
+    ({"peak_flops": float("inf")}, "peak_flops", "positive finite number"),
+    ({"peak_flops": "inf"}, "peak_flops", "positive finite number"),
+    ({"peak_flops": float("nan")}, "peak_flops", "positive finite number"),
+    ({"flops_per_step": float("inf")}, "flops_per_step", "positive finite number"),
+    # another machine's address (TEST-NET-3, RFC 5737: never assigned here) failed later, on the exporter's
+    # child, with a traceback that did not name bind
+    ({"bind": "203.0.113.7"}, "bind", "not an address of this machine"),
 ]
 
 ALERTS_BAD = [
