@@ -45,10 +45,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..live.hooks import COMPILE_HOOK_WARNING, remove_global_hook
+
 log = logging.getLogger("mfuwatch")
 
 #: the warning torch.compile's wrapper prints while global module hooks exist (ours, for one forward)
-_COMPILE_HOOK_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 
 _lock = threading.Lock()
 _installed: Optional["Attacher"] = None
@@ -160,7 +161,7 @@ class Attacher:
             raise RuntimeError("the first optimizer stepped holds no parameters")
         from torch.nn.modules import module as module_mod
 
-        warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING)
+        warnings.filterwarnings("ignore", message=COMPILE_HOOK_WARNING)
         self._filter = warnings.filters[0]
         self._pre_handle = module_mod.register_module_forward_pre_hook(_eager(self._before_forward))
         self._post_handle = module_mod.register_module_forward_hook(_eager(self._after_forward), with_kwargs=True)
@@ -260,12 +261,7 @@ class Attacher:
     def _remove_post_hook(self) -> None:
         h, self._post_handle = self._post_handle, None
         if h is not None:
-            h.remove()
-            # torch's handle leaves its id in the with_kwargs table, which keeps _has_any_global_hook() true
-            # (torch.compile's wrapper then warns at every call): take it out too
-            from torch.nn.modules import module as module_mod
-
-            getattr(module_mod, "_global_forward_hooks_with_kwargs", {}).pop(h.id, None)
+            remove_global_hook(h)  # also out of torch's with_kwargs table
 
     def disarm(self) -> None:
         """Remove every hook this attacher registered (tests; the optimizer hook included). Never raises."""

@@ -35,6 +35,24 @@ log = logging.getLogger("mfuwatch")
 #: ``torch.compiler.is_compiling`` since torch 2.3; dynamo evaluates it to True at trace time.
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
+#: The warning ``OptimizedModule.__call__`` gives at every call while any global module hook exists
+#: (``torch._dynamo.eval_frame``); the agent's global hooks are meant to fire for the wrapper, so it is filtered
+#: (by this message) for as long as they are in.
+COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
+def remove_global_hook(handle: Any) -> None:
+    """Remove a global module hook (``torch.nn.modules.module.register_module_forward_*hook``). torch's handle
+    of a ``with_kwargs`` global forward hook leaves its id in ``_global_forward_hooks_with_kwargs`` (torch
+    2.13: not among the handle's ``extra_dict``), which keeps ``_has_any_global_hook()`` true and
+    ``torch.compile``'s wrapper warning at every call of the job: the id is dropped there too."""
+    from torch.nn.modules import module as module_mod
+
+    handle.remove()
+    left = getattr(module_mod, "_global_forward_hooks_with_kwargs", None)
+    if isinstance(left, dict):
+        left.pop(handle.id, None)
+
 
 def count_tokens(args: tuple, kwargs: Mapping[str, Any]) -> tuple:
     """Tokens in one forward call's inputs: ``(tokens, seq_len or None)``.
@@ -353,8 +371,6 @@ class _WrapperHooks:
     point here, so that one warning is filtered (by its message) until they go. :meth:`search` looks for a new wrapper (the model compiled
     again); :meth:`remove` removes every hook."""
 
-    _WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
-
     def __init__(self, model: nn.Module, hooks: "TrainingHooks") -> None:
         self.model, self.hooks = model, hooks
         self._said = False
@@ -383,7 +399,7 @@ class _WrapperHooks:
             return
         hooks, model = self.hooks, self.model
         found: list = []
-        warnings.filterwarnings("ignore", message=self._WARNING, category=UserWarning)
+        warnings.filterwarnings("ignore", message=COMPILE_HOOK_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]  # taken out again with the global hooks
 
         def _pre(mod: nn.Module, args: tuple) -> None:
@@ -444,19 +460,11 @@ class _WrapperHooks:
         self._drop_global()
 
     def _drop_global(self) -> None:
-        """Remove the global hooks. torch's handle of a ``with_kwargs`` global forward hook leaves its id in
-        ``_global_forward_hooks_with_kwargs`` (torch 2.13: not among the handle's ``extra_dict``), which keeps
-        ``_has_any_global_hook()`` true and torch warning at every ``torch.compile`` wrapper call of the job:
-        the id is dropped there too."""
-        from torch.nn.modules import module as module_mod
-
+        """Remove the global hooks (:func:`remove_global_hook`) and the warning filter that came with them."""
         import warnings
 
         for h in self._global:
-            h.remove()
-            left = getattr(module_mod, "_global_forward_hooks_with_kwargs", None)
-            if isinstance(left, dict):
-                left.pop(h.id, None)
+            remove_global_hook(h)
         self._global = []
         f, self._filter = self._filter, None
         if f is not None:
