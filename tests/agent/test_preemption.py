@@ -292,3 +292,22 @@ def test_unknown_signal_name_fails_at_start_up():
         load_config({"preemption_signals": ["SIGTREM"]})
     assert load_config({"preemption_signals": []}).preemption_signals == []
     assert json.dumps(load_config({}).preemption_signals) == '["SIGTERM"]'
+
+
+@pytest.mark.parametrize("bad", [0, -1, 60.5, 1e9, float("inf"), float("nan"), True, "2"])
+def test_preemption_timeout_outside_0_to_60_seconds_fails_at_start_up(bad):
+    from mfuwatch.agent.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config({"preemption_timeout_seconds": bad})
+    msg = str(info.value)
+    assert msg.startswith("preemption_timeout_seconds: expected a number of seconds in (0, 60]"), msg
+    assert msg.endswith(f"got {bad!r}"), msg
+
+
+def test_preemption_timeout_accepts_0_to_60_seconds():
+    from mfuwatch.agent.config import load_config
+
+    for ok in (0.001, 2, 30, 60):
+        assert load_config({"preemption_timeout_seconds": ok}).preemption_timeout_seconds == float(ok)
+    assert load_config({}).preemption_timeout_seconds == 2.0
