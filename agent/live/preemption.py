@@ -30,6 +30,11 @@ signal after the close (-15, 143 in a shell); a Python handler that returns (one
 another signal's handler (``KeyboardInterrupt`` for a Ctrl-C) is kept until the close ended and the
 first signal was handed on, then raised.
 
+The close happens at the signal, before a previous handler runs: a job whose own handler only sets a
+"stop soon" flag, steps on and checkpoints loses those last steps from the agent's figures. Such a job
+sets ``preemption_signals: []`` and calls ``agent.close(reason=..., budget_s=...)`` after its checkpoint
+(docs/reliability.md, "A graceful stop handler").
+
 A signal whose disposition is ``SIG_IGN`` (``nohup`` sets it for SIGHUP) or was set outside Python
 is left alone. Handlers can only be set from the main thread (CPython's rule): from another thread
 :func:`install` does nothing. A forked child (``os.fork``) hands every signal straight on.

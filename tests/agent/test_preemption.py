@@ -101,6 +101,7 @@ def test_a_second_sigterm_during_a_slow_close_does_not_cut_it_short(tmp_path, mo
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
         took = time.monotonic() - t0
+    print(f"\n{mode}: status {proc.returncode}, first SIGTERM to exit {took:.2f} s")  # docs/reliability.md (-s)
     assert proc.returncode == status, err
     if mode == "loop":  # no user handler, no interpreter exit: the close's bound plus the process's death
         assert took < timeout_s + 1.0
@@ -113,6 +114,31 @@ def test_a_second_sigterm_during_a_slow_close_does_not_cut_it_short(tmp_path, mo
         ("firing", None), ("resolved", "run preempted (SIGTERM)")]
     steps = [r for r in records if r["kind"] == "step"]
     assert steps[-1]["step"] == sum(r["steps"] for r in steps)
+
+
+@pytest.mark.parametrize("signals", ["SIGTERM", ""])
+def test_a_graceful_stop_keeps_its_last_steps_only_without_the_agents_handler(tmp_path, signals):
+    # docs/reliability.md: a job's own handler that sets a flag, steps on and checkpoints loses those steps
+    # to the agent's close at the signal; with preemption_signals: [] and agent.close(reason=...) after the
+    # checkpoint, every step is in the timeline and the alert resolves with the job's reason.
+    with AlertReceiver() as rx:
+        proc, tl, sd = _run("graceful", tmp_path, rx, MFUWATCH_TEST_PREEMPT_SIGNALS=signals)
+        _wait_firing(rx, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert [a["annotations"]["resolved_reason"] for a in _alerts(rx, "resolved")] == ["run preempted (SIGTERM)"]
+    ran = int(out.split("ran ")[1].split()[0])
+    records = list(read_timeline(tl))
+    steps = [r for r in records if r["kind"] == "step"]
+    assert steps[-1]["step"] == sum(r["steps"] for r in steps)
+    sigs = [r for r in records if r["kind"] == "signal"]
+    if signals:  # the agent closed at the signal: the 20 steps after it are not in the timeline
+        assert [r["signal"] for r in sigs] == ["SIGTERM"]
+        assert steps[-1]["step"] == sigs[0]["step"] <= ran - 20
+    else:
+        assert sigs == [] and steps[-1]["step"] == ran
+    assert list(sd.iterdir()) == []
 
 
 def test_a_user_handler_installed_before_the_agent_still_runs(tmp_path):
