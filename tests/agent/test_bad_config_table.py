@@ -19,6 +19,7 @@ AGENT_BAD = [
     ({"port": 187020}, "port", "0..65535"),
     ({"port": 65535, "local_rank": 3}, "port", "65535"),
     ({"profile_every": "15 parsecs"}, "profile_every", "'300s'"),
+    ({"preemption_timeout_seconds": 1e9}, "preemption_timeout_seconds", "(0, 60]"),
 ]
 
 ALERTS_BAD = [
