@@ -270,15 +270,19 @@ def test_repeats_during_the_close_wait_for_it_and_reach_a_returning_handler_once
 
     signal.signal(signal.SIGUSR2, prev)
     try:
+        sender = []
+
         def close(reason):
             events.append(("close", reason))
-            time.sleep(0.6)
+            sender.append(_send_to_main_during_close([signal.SIGUSR2] * 3))  # three repeats during the close
+            sender[0].join(5.0)
+            time.sleep(0.2)  # the main thread's handler ran for the last one
             events.append(("closed", reason))
 
         uninstall = preemption.install(close, 5.0, record_fn=lambda n: events.append(("record", n)),
                                        signals=["SIGUSR2"])
-        sender = _send_to_main_during_close([signal.SIGUSR2] * 3)  # three repeats while the close sleeps
         signal.raise_signal(signal.SIGUSR2)
+        sender = sender[0]
         sender.join()
         # one record and one close; the previous handler after the close: once for the signal, once for the
         # repeats (coalesced, as CPython coalesces a signal that comes again before its handler ran)
@@ -296,15 +300,14 @@ def test_a_ctrl_c_during_the_close_is_raised_after_the_close_and_the_hand_on():
     signal.signal(signal.SIGUSR2, lambda s, f: events.append("prev"))
     try:
         def close(reason):
-            time.sleep(0.5)
+            _send_to_main_during_close([signal.SIGINT]).join(5.0)
+            time.sleep(0.2)
             events.append("closed")
 
         uninstall = preemption.install(close, 5.0, signals=["SIGUSR2"])
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's KeyboardInterrupt
-        sender = _send_to_main_during_close([signal.SIGINT])
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGUSR2)
-        sender.join()
         assert events == ["closed", "prev"]
         uninstall()
     finally:
