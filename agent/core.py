@@ -207,6 +207,12 @@ class Agent:
         # fleet: the attempt record (and what the previous attempt lost) is written by the reporter once the
         # resume read, off this thread, has finished (FleetAccounting.ensure_attempt_written, issue 28)
         self.reporter.start()
+        # at close, once the reporter's final pass wrote the last step record, the local steps come before any
+        # wait on the network (alert notifiers, OTLP, the exporter): the file-SD target is removed, the held
+        # records reach the timeline and later ones (the alerts' resolutions) go straight out; a close cut
+        # short (a past-bound preemption close, a second signal) has done them (issue 28)
+        self._part("close", lambda: self._sd_target.remove() if self._sd_target is not None else None)
+        self._part("timeline", lambda: self.timeline.release())
         self._part("agent", lambda: self.reporter.close(self._left(5.0, 0.4)))  # stops after one final pass over the last boundaries
         self.hooks.install(model, optimizer)
         self._part("close", self._close_hooks)

@@ -29,13 +29,18 @@ class ErrorCounter:
         self._counts: Dict[str, int] = {}
         self.listeners: List[Callable[[str], None]] = []
 
-    def count(self, component: str, exc: BaseException) -> None:
-        """Record one failure of ``component``. Never raises."""
+    def count(self, component: str, exc: BaseException, *, quiet: bool = False) -> None:
+        """Record one failure of ``component``. Never raises.
+
+        ``quiet``: count without logging, for a caller that logs its own line (a data problem handled
+        as designed, not a failure: the resume read's ignored records)."""
         try:
             with self._lock:
                 n = self._counts.get(component, 0) + 1
                 self._counts[component] = n
-            if n == 1:
+            if quiet:
+                pass
+            elif n == 1:
                 log.warning(
                     "mfuwatch: %s failed (%s: %s); training continues, further %s errors are only counted "
                     "in mfuwatch_agent_errors_total",

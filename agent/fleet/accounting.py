@@ -251,11 +251,14 @@ class FleetAccounting:
         self.resume = out
         self.goodput.redo_steps = int(out["steps"])
         if reader is not None and reader.ignored:
-            # counted once per record in mfuwatch_agent_errors_total{component="resume"}; the first is logged
-            exc = ValueError(f"{reader.ignored} record(s) of the timeline's tail ignored for the lost-progress "
-                             "figure (implausible step numbers, non-finite values, oversized or garbled lines)")
+            # one warning line (docs/reliability.md): the read did not fail, it skipped records; each is counted
+            # in mfuwatch_agent_errors_total{component="resume"}
+            text = (f"{reader.ignored} record(s) of the timeline's tail ignored for the lost-progress figure "
+                    "(implausible step numbers, non-finite values, oversized or garbled lines)")
+            log.warning("mfuwatch: %s; counted in mfuwatch_agent_errors_total{component=\"resume\"}", text)
+            exc = ValueError(text)
             for _ in range(reader.ignored):
-                self.errors.count("resume", exc)
+                self.errors.count("resume", exc, quiet=True)
 
     def ensure_attempt_written(self, timeout: float = 5.0) -> None:
         """Write the ``attempt`` record once (agent thread, before the run record releases the held ones), after

@@ -18,6 +18,23 @@ resolved notifications of firing alerts and the file-SD target's removal are los
    ``(signum, frame)``; the default action is re-raised with the default disposition, so the process
    ends exactly as it would have without the agent (status -15 for SIGTERM).
 
+A signal of ``signals`` that arrives while that close runs (``scancel`` signalling both the batch
+shell and the job step, torchrun forwarding, a second ``kill``) does not cut the close short: the
+handler notes it and returns, the close goes on within the same ``timeout_s``, and the noted signal
+is re-raised (``signal.raise_signal``) once the first one was handed on and its handler returned.
+Each signal number is noted once however often it repeats (as CPython coalesces a signal that
+arrives again before its handler ran). So with the default action the process dies by the first
+signal after the close (-15, 143 in a shell); a Python handler that returns (one that sets a
+"stop soon" flag) sees the repeat as it would have without the agent; one that ends the process
+(``sys.exit``, torchelastic's ``SignalException``) runs once. An exception raised meanwhile by
+another signal's handler (``KeyboardInterrupt`` for a Ctrl-C) is kept until the close ended and the
+first signal was handed on, then raised.
+
+The close happens at the signal, before a previous handler runs: a job whose own handler only sets a
+"stop soon" flag, steps on and checkpoints loses those last steps from the agent's figures. Such a job
+sets ``preemption_signals: []`` and calls ``agent.close(reason=..., budget_s=...)`` after its checkpoint
+(docs/reliability.md, "A graceful stop handler").
+
 A signal whose disposition is ``SIG_IGN`` (``nohup`` sets it for SIGHUP) or was set outside Python
 is left alone. Handlers can only be set from the main thread (CPython's rule): from another thread
 :func:`install` does nothing. A forked child (``os.fork``) hands every signal straight on.
@@ -33,7 +50,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Callable, Dict, Iterable, Optional
+import time
+from typing import Callable, Dict, Iterable, List, Optional
 
 log = logging.getLogger("mfuwatch")
 
@@ -58,8 +76,8 @@ def install(close_fn: Callable[[str], None], timeout_s: float, record_fn: Option
         return lambda: None
     pid = os.getpid()
     previous: Dict[int, object] = {}
-    state = {"active": True, "fired": False}
-    lock = threading.Lock()
+    state = {"active": True, "phase": "idle"}  # phase: idle -> closing (the first signal's close) -> done
+    repeats: List[int] = []  # signals that came again during the close, in order, each once
 
     def uninstall() -> None:
         state["active"] = False
@@ -82,33 +100,55 @@ def install(close_fn: Callable[[str], None], timeout_s: float, record_fn: Option
         signal.raise_signal(signum)
 
     def handler(signum: int, frame) -> None:
+        # No lock: handlers run on the main thread only, and one may interrupt another there (a blocking lock
+        # taken by both would deadlock); each test below reads, and each change writes, one dict item.
         name = signal.Signals(signum).name
-        with lock:
-            first = state["active"] and not state["fired"] and os.getpid() == pid
-            state["fired"] = state["fired"] or first
-        if first:
-            if record_fn is not None:
-                try:
-                    record_fn(name)
-                except Exception:  # noqa: BLE001 - recording must not stop the close nor the hand-on
-                    pass
-            done = threading.Event()
+        if state["phase"] == "closing" and os.getpid() == pid:
+            if signum not in repeats:  # a repeat during the close: raised again after it (module docstring)
+                repeats.append(signum)
+            return
+        if not (state["active"] and state["phase"] == "idle" and os.getpid() == pid):
+            pass_on(signum, frame)
+            return
+        state["phase"] = "closing"
+        if record_fn is not None:
+            try:
+                record_fn(name)
+            except Exception:  # noqa: BLE001 - recording must not stop the close nor the hand-on
+                pass
+        done = threading.Event()
 
-            def run() -> None:
-                try:
-                    close_fn(f"run preempted ({name})")
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("mfuwatch: closing on %s failed (%s: %s)", name, type(exc).__name__, exc)
-                finally:
-                    done.set()
+        def run() -> None:
+            try:
+                close_fn(f"run preempted ({name})")
+            except Exception as exc:  # noqa: BLE001
+                log.warning("mfuwatch: closing on %s failed (%s: %s)", name, type(exc).__name__, exc)
+            finally:
+                done.set()
 
-            t = threading.Thread(target=run, name="mfuwatch-preempt", daemon=True)
-            t.start()
-            if not done.wait(timeout_s):
-                log.warning("mfuwatch: closing on %s did not finish within %.1f s; handing the signal on", name,
-                            timeout_s)
-            uninstall()
+        t = threading.Thread(target=run, name="mfuwatch-preempt", daemon=True)
+        t.start()
+        deadline = time.monotonic() + timeout_s
+        raised: Optional[BaseException] = None
+        while True:
+            try:
+                if not done.wait(max(0.0, deadline - time.monotonic())):
+                    log.warning("mfuwatch: closing on %s did not finish within %.1f s; handing the signal on",
+                                name, timeout_s)
+                break
+            except BaseException as exc:  # noqa: BLE001 - another signal's handler raised (Ctrl-C): kept
+                raised = raised or exc
+        state["phase"] = "done"  # a signal from here on goes straight to pass_on
+        again = list(repeats)
+        uninstall()
         pass_on(signum, frame)
+        for sig in again:  # the first one's handler returned (a default action would have ended the process)
+            try:
+                signal.raise_signal(sig)
+            except (ValueError, OSError):
+                pass
+        if raised is not None:
+            raise raised
 
     for name in signals:
         signum = getattr(signal, name, None)

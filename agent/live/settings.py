@@ -19,7 +19,7 @@ Fields (on :class:`~mfuwatch.agent.config.AgentConfig`):
                                      ``0..os.cpu_count()-1``; not with ``exporter_server: thread``
 ``preemption_signals``               signal names that close the agent before their previous handler runs
                                      (``[]`` = none); accepted: :data:`PREEMPTION_SIGNALS`
-``preemption_timeout_seconds``       the bound on that close (> 0)
+``preemption_timeout_seconds``       the bound on that close, in (0, :data:`MAX_PREEMPTION_TIMEOUT_SECONDS`]
 
 Secrets are read where the config names them (environment or file), never written in it.
 """
@@ -33,6 +33,10 @@ from typing import Any, Optional, Type
 #: Kubernetes, torchrun), SIGHUP (a lost terminal, some batch systems), SIGUSR1/SIGUSR2 (Slurm's
 #: ``--signal``, LSF, SGE warnings). SIGINT is left to Python's KeyboardInterrupt (the agent closes then).
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+#: the most ``preemption_timeout_seconds`` may be: a close on SIGTERM must end within the scheduler's grace
+#: period before its SIGKILL (Slurm ``KillWait`` and Kubernetes ``terminationGracePeriodSeconds`` default to
+#: 30 s; 60 leaves room for clusters that raise them), and the signal is handed on only after it
+MAX_PREEMPTION_TIMEOUT_SECONDS = 60.0
 #: accepted values of ``exporter_server``
 EXPORTER_SERVERS = ("process", "thread")
 
@@ -61,8 +65,15 @@ def validate_live(cfg: Any, error: Type[Exception]) -> None:
     v = cfg.exporter_max_connections
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
         raise error(f"exporter_max_connections: expected an integer 1..65536, got {v!r}")
-    for name in ("exporter_read_timeout_seconds", "tls_handshake_timeout_seconds", "preemption_timeout_seconds"):
+    for name in ("exporter_read_timeout_seconds", "tls_handshake_timeout_seconds"):
         _positive(cfg, name, error)
+    v = cfg.preemption_timeout_seconds
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            or not 0 < v <= MAX_PREEMPTION_TIMEOUT_SECONDS):
+        raise error(f"preemption_timeout_seconds: expected a number of seconds in (0, "
+                    f"{MAX_PREEMPTION_TIMEOUT_SECONDS:g}] (within the scheduler's grace period before SIGKILL: "
+                    f"Slurm KillWait and Kubernetes terminationGracePeriodSeconds default to 30), got {v!r}")
+    cfg.preemption_timeout_seconds = float(v)
     _positive(cfg, "exporter_render_interval_seconds", error, zero_ok=True)
     v = cfg.exporter_max_cpu_share
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= 1):

@@ -11,7 +11,9 @@ evaluation that followed those steps. So a record stamped at or after the **wate
 earliest time a step record still to come can carry, :meth:`Timeline.advance`) waits in memory
 until the agent thread moves the watermark past it, writes the step record before it
 (:meth:`Timeline.write_in_order`), or :data:`MAX_HOLD_SECONDS` pass; :meth:`Timeline.close`
-writes whatever waits. A job killed with SIGKILL loses at most those seconds of records.
+writes whatever waits. A job killed with SIGKILL loses at most those seconds of records. At the
+agent's close, once the last step record is written, :meth:`Timeline.release` writes what waits and
+lets later records (the alerts' resolutions) straight out, before the close waits on the network.
 
 The ``run`` record. Each agent writes one, first: :meth:`Timeline.start_header` holds every
 record until the run's facts settle (the training dtype and its peak are known at the first
@@ -149,6 +151,16 @@ class Timeline:
             self._emit(record)
             if self._watermark is None or stamp > self._watermark:
                 self._watermark = stamp
+
+    def release(self) -> None:
+        """Write the pending run record and every held record now (in timestamp order), and from now on
+        every record as it comes: for when no step record is to come any more (the agent's close, after
+        its reporter's final pass), so that what follows reaches the file even if the process dies
+        before :meth:`close`. Idempotent."""
+        with self._lock:
+            self._flush_header()
+            self._release(None, expire=False)
+            self._watermark = None
 
     def close(self) -> None:
         """Write the pending run record and every held record (in timestamp order), then close the file."""

@@ -27,6 +27,7 @@ AGENT_BAD = [
     # another machine's address (TEST-NET-3, RFC 5737: never assigned here) failed later, on the exporter's
     # child, with a traceback that did not name bind
     ({"bind": "203.0.113.7"}, "bind", "not an address of this machine"),
+    ({"preemption_timeout_seconds": 1e9}, "preemption_timeout_seconds", "(0, 60]"),
 ]
 
 ALERTS_BAD = [

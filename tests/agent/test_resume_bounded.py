@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -136,16 +137,28 @@ def test_the_read_is_off_the_training_thread_and_the_attempt_record_waits_for_it
     assert lost is not None and lost > 0  # steps 1..10 re-did the lost progress
 
 
-def test_ignored_records_are_counted_in_agent_errors(tmp_path):
+def test_ignored_records_are_counted_in_agent_errors_and_logged_in_one_line(tmp_path, caplog):
     tl = tmp_path / "tl.jsonl"
     recs = _attempt([(10, 10)]) + [{"kind": "step", "step": 10 ** 15, "steps": 10 ** 15, "step_time_seconds": 0.1}]
-    tl.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    a = Agent(config=dict(run="resume2", exporter=False, nvml=False, profile_every="off", alerts=False,
-                          flops_per_step=1e9, timeline=str(tl), progress=False))
-    a.fleet._resume_reader.result(5.0)
-    a.close()
-    assert a.errors.get("resume") == 1
-    assert [r for r in read_timeline(tl) if r["kind"] == "attempt"][-1]["lost_steps"] == 10
+    lines = [json.dumps(r) for r in recs]
+    # three records to ignore: the step number of 10**15 above, a non-finite step time, a garbled line
+    lines.insert(-1, '{"kind": "step", "step": 11, "steps": 1, "step_time_seconds": Infinity}')
+    lines.insert(-1, '{"kind": "step", "step": 12, "ste')
+    tl.write_text("".join(line + "\n" for line in lines))
+    with caplog.at_level(logging.DEBUG, logger="mfuwatch"):
+        a = Agent(config=dict(run="resume2", exporter=False, nvml=False, profile_every="off", alerts=False,
+                              flops_per_step=1e9, timeline=str(tl), progress=False))
+        a.fleet._resume_reader.result(5.0)
+        a.close()
+    assert a.errors.get("resume") == 3  # one count per ignored record
+    attempts = [json.loads(line) for line in tl.read_text().splitlines() if '"kind":"attempt"' in line]
+    assert attempts[-1]["lost_steps"] == 10 and attempts[-1]["lost_ignored"] == 3
+    # the documented single warning (docs/reliability.md), no "resume failed", no traceback
+    resume = [r for r in caplog.records if "lost-progress" in r.getMessage() or "resume" in r.getMessage()]
+    assert [(r.levelno, r.getMessage(), r.exc_info) for r in resume] == [(
+        logging.WARNING, "mfuwatch: 3 record(s) of the timeline's tail ignored for the lost-progress figure "
+        "(implausible step numbers, non-finite values, oversized or garbled lines); counted in "
+        'mfuwatch_agent_errors_total{component="resume"}', None)]
 
 
 def test_a_tail_inside_a_long_attempt_counts_only_the_steps_in_view(tmp_path):

@@ -85,6 +85,27 @@ def test_a_record_stamped_after_the_watermark_waits_for_the_step_record(tmp_path
     assert _kinds(p)[-1] == ("gpu", 13.5) and tl.held == 0
 
 
+def test_release_writes_what_waits_and_lets_later_records_straight_out(tmp_path):
+    # the agent's close, after its last step record: the held records must reach the file before the close
+    # waits on the network (a process killed during that wait keeps them)
+    p = tmp_path / "t.jsonl"
+    tl = Timeline(p)
+    tl.start_header(lambda: {"kind": "run", "timestamp": 1.0})
+    tl.write({"kind": "signal", "timestamp": 21.0})
+    tl.write({"kind": "attempt", "timestamp": 2.0})
+    assert p.read_text() == "" and tl.held == 2
+    tl.release()  # the run record, then the held ones in timestamp order
+    assert _kinds(p) == [("run", 1.0), ("attempt", 2.0), ("signal", 21.0)] and tl.held == 0
+    tl.write_in_order({"kind": "step", "timestamp": 20.0})  # (a reporter pass that outlasted its close bound)
+    tl.advance(30.0)
+    tl.release()
+    tl.write({"kind": "alert", "timestamp": 30.5})  # at/after the old watermark: out at once all the same
+    assert _kinds(p)[-2:] == [("step", 20.0), ("alert", 30.5)] and tl.held == 0
+    tl.release()  # idempotent
+    tl.close()
+    assert len(_kinds(p)) == 5
+
+
 def test_no_record_waits_longer_than_max_hold(tmp_path):
     p = tmp_path / "t.jsonl"
     mono = FakeMonotonic()

@@ -12,6 +12,15 @@ below its threshold: flops_per_step 1e3 against a 1e15 FLOP/s peak), notified to
 ``fork``     fork after 30 steps; the child exits with status 3 through the normal interpreter exit
              (atexit included); the parent waits for it (10 s at most), prints ``child status N``,
              scrapes its own exporter, steps on and exits 0
+``flag``     as ``loop``, with a SIGTERM handler installed before the agent that appends the signal number to
+             ``TIMELINE.user`` and returns (a "stop soon" flag); the job ends at the next step, status 0
+
+``graceful`` as ``flag``, but the job runs 20 more steps after the flag ("checkpoints"), then calls
+             ``agent.close(reason="run preempted (SIGTERM)", budget_s=2.0)``, prints ``ran N`` (its steps) and exits 0
+
+``$MFUWATCH_TEST_PREEMPT_TIMEOUT`` sets ``preemption_timeout_seconds`` (default 2), ``$MFUWATCH_TEST_PREEMPT_SIGNALS``
+``preemption_signals`` (default ``SIGTERM,SIGUSR1``; empty: none). The ``.user`` file gets one line per call of
+the user's handler.
 """
 
 import os
@@ -28,18 +37,24 @@ ALERTS = {"use_default_rules": False, "inhibit_rules": [], "evaluation_interval"
                                "severity": "critical", "annotations": {"summary": "MFU is {value:pct}"}}},
           "notifiers": [{"type": "webhook", "url_env": "MFUWATCH_TEST_HOOK"}]}
 
+stop = []
+
+
 def on_term(signum, frame):
-    with open(timeline + ".user", "w") as fh:
+    with open(timeline + ".user", "a") as fh:
         fh.write(f"{signum}\n")
-    sys.exit(7)
+    if mode not in ("flag", "graceful"):
+        sys.exit(7)
+    stop.append(signum)
 
 
-if mode == "user":
+if mode in ("user", "flag", "graceful"):
     signal.signal(signal.SIGTERM, on_term)
 
 with Agent(config=dict(run="preempt", port=0, nvml=False, profile_every="off", flops_per_step=1e3, peak_flops=1e15,
                        report_every_steps=10, timeline=timeline, file_sd_dir=sd_dir, alerts=ALERTS,
-                       preemption_signals=["SIGTERM", "SIGUSR1"])) as agent:
+                       preemption_signals=os.environ.get("MFUWATCH_TEST_PREEMPT_SIGNALS", "SIGTERM,SIGUSR1"),
+                       preemption_timeout_seconds=float(os.environ.get("MFUWATCH_TEST_PREEMPT_TIMEOUT", "2")))) as agent:
     if mode == "after":
         signal.signal(signal.SIGTERM, on_term)
     print("started", flush=True)
@@ -48,6 +63,14 @@ with Agent(config=dict(run="preempt", port=0, nvml=False, profile_every="off", f
         n += 1
         time.sleep(0.004)
         agent.step(tokens=16)
+        if stop and mode == "graceful":
+            stop.append(None)
+            if len(stop) == 21:  # 20 steps after the flag, then the checkpoint and the close
+                agent.close(reason="run preempted (SIGTERM)", budget_s=2.0)
+                print(f"ran {n}", flush=True)
+                break
+        elif stop:
+            break
         if mode == "error" and n == 40:
             raise RuntimeError("a bug in the training loop")
         if mode == "fork" and n == 30:
