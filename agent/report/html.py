@@ -35,7 +35,7 @@ def peak_flops(data: TimelineData) -> Optional[float]:
     dtype is known at the first forward), so the steps are the fallback.
     """
     peak = data.run.get("peak_flops_per_second")
-    if peak:
+    if isinstance(peak, (int, float)) and not isinstance(peak, bool) and 0 < peak < float("inf"):
         return float(peak)
     for s in reversed(data.steps):
         if s.get("mfu"):
@@ -143,12 +143,16 @@ def _alerts_table(alerts: List[Dict[str, Any]]) -> str:
     if not alerts:
         return '<p class="empty">No alert fired during this run.</p>'
     rows, classes = [], []
+    def text(x: Any) -> str:  # a record's field as escaped text, whatever JSON value it holds
+        return "" if x is None else html.escape(str(x))
+
     for a in alerts:
-        ann = a.get("annotations") or {}
+        ann = a.get("annotations")
+        ann = ann if isinstance(ann, dict) else {}
         detail = ann.get("description") or ann.get("suggestion") or ""
         rows.append([html.escape(utc(a.get("timestamp", 0.0)).strftime("%Y-%m-%d %H:%M:%S UTC")),
-                     html.escape(a.get("alertname", "")), html.escape(a.get("status", "")),
-                     html.escape(a.get("severity", "")), html.escape(a.get("summary", "")), html.escape(detail)])
+                     text(a.get("alertname")), text(a.get("status")), text(a.get("severity")),
+                     text(a.get("summary")), text(detail)])
         classes.append("firing" if a.get("status") == "firing" else "")
     return _table(["Time", "Alert", "Status", "Severity", "Summary", "Details"], rows, classes)
 

@@ -334,3 +334,17 @@ def test_a_file_without_timeline_records_is_an_error(tmp_path):
     p.write_text('{"a": 1}\n')
     assert main([str(p), "-o", str(tmp_path / "r.html")]) == 2
     assert not (tmp_path / "r.html").exists()
+
+
+def test_alert_and_run_fields_of_any_json_type_render(tmp_path):
+    # The fresh-user fuzz of issue #28 (every field of each record kind set to Infinity, NaN, null, "x", {}, [1],
+    # -1, 1e308, true): an alert's text fields and annotations, and the run's peak, crashed the page.
+    path = write_timeline(tmp_path / "t.jsonl", _run_info(peak_flops_per_second="x"))
+    with path.open("a") as fh:
+        fh.write(json.dumps({"kind": "alert", "alertname": 5, "status": None, "severity": [1], "summary": {},
+                             "annotations": "x", "timestamp": T0}) + "\n")
+    data = report.load_timeline(path)
+    assert report.peak_flops(data) == pytest.approx(PEAK)  # not the run's "x": the one the steps imply
+    page = report.render_html(data, "t.jsonl")
+    row = re.search(r"<tr><td>2025-06-15 15:06:40 UTC</td>(.*?)</tr>", page).group(1)
+    assert row == "<td>5</td><td></td><td>[1]</td><td>{}</td><td></td>"

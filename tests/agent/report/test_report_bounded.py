@@ -1,6 +1,7 @@
 """``mfuwatch report`` streams the timeline (issue #28): memory grows by a few float64 per step record, not by a
 parsed dict per record; the charts get at most a few thousand points (merged with step weights, nothing
-dropped); the medians stay exact; oversized lines fail with their line number."""
+dropped); the medians stay exact; lines that cannot be used (oversized, not JSON, implausible step numbers or
+timestamps) are skipped and counted with their line numbers, and the rest is reported."""
 
 from __future__ import annotations
 
