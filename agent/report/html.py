@@ -142,10 +142,10 @@ def _alerts_table(alerts: List[Dict[str, Any]]) -> str:
 
     if not alerts:
         return '<p class="empty">No alert fired during this run.</p>'
-    rows, classes = [], []
     def text(x: Any) -> str:  # a record's field as escaped text, whatever JSON value it holds
         return "" if x is None else html.escape(str(x))
 
+    rows, classes = [], []
     for a in alerts:
         ann = a.get("annotations")
         ann = ann if isinstance(ann, dict) else {}
@@ -229,8 +229,8 @@ def write_report(timeline_path: Union[str, Path], out_path: Union[str, Path],
                  warn: Optional[Callable[[str], None]] = None) -> Path:
     """Read ``timeline_path`` (JSONL) and write the HTML report to ``out_path``; return its absolute path.
 
-    Lines that cannot be used (not JSON, not an object, too long, an implausible step number:
-    :mod:`.load`) are skipped; ``warn`` (when given) is then called once with the one-line summary
+    Lines that cannot be used (not JSON, not an object, too long, an implausible step number or
+    timestamp: :mod:`.load`) are skipped; ``warn`` (when given) is then called once with the one-line summary
     (:meth:`TimelineData.skipped_summary`), which the page also shows.
 
     Raises:

@@ -22,8 +22,9 @@ records follow on the next line), JSON that is not an object, a line longer than
 :data:`MAX_LINE_BYTES` (read past in bounded chunks), a ``step`` or ``window`` record whose ``step``
 is not a whole number in ``0..``:data:`MAX_PLAUSIBLE_STEP`, a ``step`` record whose ``steps`` is
 given but not a whole number in ``1..step``, and a record drawn on a time axis (``step``,
-``window``, ``gpu``, ``alert``) whose ``timestamp`` is not unix seconds in ``0..``:data:`MAX_TIMESTAMP`. A torn last line (no newline after it: the job is
-still writing, or was killed) is skipped without counting.
+``window``, ``gpu``, ``alert``) whose ``timestamp`` is not unix seconds in
+``0..``:data:`MAX_TIMESTAMP`. A torn last line (no newline after it: the job is still writing, or was
+killed) is skipped without counting.
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ def merge_steps(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     return c.points("step", 1)[0][0]
 
 
+_INF = float("inf")
+
+
 def _whole(x: Any) -> Optional[int]:
     """``x`` as an int when it is a finite whole number (an int, or a float such as 10.0), else ``None``."""
     if type(x) is int:
@@ -162,7 +166,6 @@ def _whole(x: Any) -> Optional[int]:
     return None
 
 
-_INF = float("inf")
 #: skip reasons, as the message words them
 NOT_JSON = "not JSON"
 NOT_OBJECT = "not a JSON object"
@@ -249,7 +252,7 @@ class TimelineData:
 
     def skipped_summary(self, name: str) -> Optional[str]:
         """One line saying which lines of the file ``name`` were skipped, or ``None`` when none was:
-        ``2 line(s) of t.jsonl skipped (1 not JSON at line 28, 1 step not a whole number in 0..1e12 at
+        ``2 line(s) of t.jsonl skipped (1 not JSON at line 28; 1 step not a whole number in 0..1e12 at
         line 40)``; past :data:`MAX_SKIPPED_LINES` of one reason the line numbers end with ``...``."""
         if not self.skipped:
             return None
