@@ -11,7 +11,9 @@ evaluation that followed those steps. So a record stamped at or after the **wate
 earliest time a step record still to come can carry, :meth:`Timeline.advance`) waits in memory
 until the agent thread moves the watermark past it, writes the step record before it
 (:meth:`Timeline.write_in_order`), or :data:`MAX_HOLD_SECONDS` pass; :meth:`Timeline.close`
-writes whatever waits. A job killed with SIGKILL loses at most those seconds of records. At the
+writes whatever waits. A job killed with SIGKILL loses at most those seconds of records, and may
+leave its last line cut: a ``Timeline`` opened on a file that does not end with a newline writes one
+first, so the cut line stays one bad line (readers skip it) and the new records are whole. At the
 agent's close, once the last step record is written, :meth:`Timeline.release` writes what waits and
 lets later records (the alerts' resolutions) straight out, before the close waits on the network.
 
@@ -58,6 +60,23 @@ def _stamp(record: Dict[str, Any]) -> float:
     return time.time()
 
 
+def _ends_with_newline(fh: Any) -> bool:
+    """Whether the file open for appending in ``fh`` is empty or ends with ``\\n``; ``True`` when it is no
+    regular file (a pipe, ``/dev/stdout``: never read) or cannot be read back (nothing to repair then)."""
+    import os
+    import stat
+
+    try:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return True
+        with open(fh.name, "rb") as rd:
+            rd.seek(st.st_size - 1)
+            return rd.read(1) in (b"\n", b"")
+    except (OSError, ValueError):
+        return True
+
+
 class Timeline:
     """Append-only JSONL writer that keeps records in timestamp order. ``path=None`` makes every call a no-op.
 
@@ -65,7 +84,8 @@ class Timeline:
     and :meth:`write_header` (see the module docstring for the order they keep).
 
     Args:
-        path: the JSONL file, appended to (its folder is created).
+        path: the JSONL file, appended to (its folder is created); when it does not end with a newline (a
+            job killed mid-write), one is written first.
         max_hold_seconds: how long a record may wait for those stamped before it, at most.
         monotonic: ``time.monotonic``-like clock for the waiting time (tests).
 
@@ -89,6 +109,9 @@ class Timeline:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8")
+            if not _ends_with_newline(self._fh):  # a job killed mid-write cut the last line: end it first,
+                self._fh.write("\n")            # so it stays one bad line and this run's records are whole
+                self._fh.flush()
 
     # ------------------------------------------------------------------ any thread
     def write(self, record: Dict[str, Any]) -> None:

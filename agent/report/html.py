@@ -23,7 +23,7 @@ import argparse
 import html
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from .load import TimelineData, load_timeline  # noqa: F401  (streaming, bounded memory: agent/report/load.py)
 
@@ -35,7 +35,7 @@ def peak_flops(data: TimelineData) -> Optional[float]:
     dtype is known at the first forward), so the steps are the fallback.
     """
     peak = data.run.get("peak_flops_per_second")
-    if peak:
+    if isinstance(peak, (int, float)) and not isinstance(peak, bool) and 0 < peak < float("inf"):
         return float(peak)
     for s in reversed(data.steps):
         if s.get("mfu"):
@@ -142,13 +142,17 @@ def _alerts_table(alerts: List[Dict[str, Any]]) -> str:
 
     if not alerts:
         return '<p class="empty">No alert fired during this run.</p>'
+    def text(x: Any) -> str:  # a record's field as escaped text, whatever JSON value it holds
+        return "" if x is None else html.escape(str(x))
+
     rows, classes = [], []
     for a in alerts:
-        ann = a.get("annotations") or {}
+        ann = a.get("annotations")
+        ann = ann if isinstance(ann, dict) else {}
         detail = ann.get("description") or ann.get("suggestion") or ""
         rows.append([html.escape(utc(a.get("timestamp", 0.0)).strftime("%Y-%m-%d %H:%M:%S UTC")),
-                     html.escape(a.get("alertname", "")), html.escape(a.get("status", "")),
-                     html.escape(a.get("severity", "")), html.escape(a.get("summary", "")), html.escape(detail)])
+                     text(a.get("alertname")), text(a.get("status")), text(a.get("severity")),
+                     text(a.get("summary")), text(detail)])
         classes.append("firing" if a.get("status") == "firing" else "")
     return _table(["Time", "Alert", "Status", "Severity", "Summary", "Details"], rows, classes)
 
@@ -162,13 +166,24 @@ h1{margin:0 0 4px}h2{margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-b
 table{border-collapse:collapse;margin:8px 0;font-size:14px}th,td{border:1px solid #d0d7de;padding:4px 8px;
 text-align:left;vertical-align:top}th{background:#f6f8fa}tr.memory td{background:#fff4e5}
 tr.firing td{background:#ffebe9}code{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:13px}
-.empty{color:#57606a;font-style:italic}.grid{display:grid;grid-template-columns:1fr 1fr;gap:8px}
+.empty{color:#57606a;font-style:italic}
+.note{background:#fff8c5;border:1px solid #d4a72c;border-radius:6px;padding:8px 12px}
+.grid{display:grid;grid-template-columns:1fr 1fr;gap:8px}
 @media (max-width:1000px){.grid{grid-template-columns:1fr}}
 """
 
 
-def render_html(data: TimelineData) -> str:
-    """The whole page as one string, plotly.js included (about 4.5 MB)."""
+def _skipped_note(data: TimelineData, name: str) -> str:
+    summary = data.skipped_summary(name)
+    if summary is None:
+        return ""
+    return (f'<p class="note"><b>Note:</b> {html.escape(summary)}. They are left out of every chart and figure; '
+            "the report shows the rest.</p>")
+
+
+def render_html(data: TimelineData, name: str = "the timeline") -> str:
+    """The whole page as one string, plotly.js included (about 4.5 MB); ``name`` (the timeline file's name)
+    appears in the note on the lines skipped, shown at the top when :attr:`TimelineData.skipped` has any."""
     import plotly.offline
 
     from . import figures as figs
@@ -193,6 +208,7 @@ def render_html(data: TimelineData) -> str:
         "<div class=\"sub\">MFU = model FLOPs per step / step time / peak FLOP/s of one GPU for the training "
         "dtype (PaLM, Chowdhery et al. 2022, appendix B). HFU counts the FLOPs actually executed, "
         "recomputation included.</div>",
+        _skipped_note(data, name),
         f"<div class=\"cards\">{_summary(data)}</div>",
         "<h2>Over time</h2>",
         "<div class=\"grid\">" + "".join(f"<div>{div(f)}</div>" for f in charts) + "</div>",
@@ -209,27 +225,37 @@ def render_html(data: TimelineData) -> str:
     return "\n".join(parts)
 
 
-def write_report(timeline_path: Union[str, Path], out_path: Union[str, Path]) -> Path:
+def write_report(timeline_path: Union[str, Path], out_path: Union[str, Path],
+                 warn: Optional[Callable[[str], None]] = None) -> Path:
     """Read ``timeline_path`` (JSONL) and write the HTML report to ``out_path``; return its absolute path.
+
+    Lines that cannot be used (not JSON, not an object, too long, an implausible step number or
+    timestamp: :mod:`.load`) are skipped; ``warn`` (when given) is then called once with the one-line summary
+    (:meth:`TimelineData.skipped_summary`), which the page also shows.
 
     Raises:
         OSError: if the timeline cannot be read or the report cannot be written.
-        ValueError: if the timeline holds a malformed line (other than a torn last line), or no
-            timeline record at all.
+        ValueError: if the timeline holds no usable timeline record at all (the message says which
+            lines were skipped, if any).
     """
     data = load_timeline(timeline_path)
+    name = Path(timeline_path).name
+    summary = data.skipped_summary(name)
     if not (data.run or data.steps or data.windows or data.gpus or data.alerts):
-        raise ValueError(f"{timeline_path}: no mfuwatch timeline records (kinds run, step, window, gpu, alert); "
-                         "is this the agent's `timeline:` file?")
+        raise ValueError(f"{timeline_path}: no mfuwatch timeline records (kinds run, step, window, gpu, alert)"
+                         + (f"; {summary}" if summary else "") + "; is this the agent's `timeline:` file?")
+    if summary and warn is not None:
+        warn(summary)
     out = Path(out_path).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(data), encoding="utf-8")
+    out.write_text(render_html(data, name), encoding="utf-8")
     return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``mfuwatch report TIMELINE.jsonl [-o report.html]``. Returns 0, or 2 when the timeline cannot be read
-    or plotly (the ``report`` extra) is not installed."""
+    """``mfuwatch report TIMELINE.jsonl [-o report.html]``. Returns 0 (lines skipped: one line on stderr says
+    which), or 2 when the timeline cannot be read, holds no usable record, or plotly (the ``report`` extra)
+    is not installed."""
     parser = argparse.ArgumentParser(prog="mfuwatch report",
                                      description="Write a self-contained HTML report from an mfuwatch timeline.")
     parser.add_argument("timeline", type=Path, help="the agent's JSONL timeline (timeline: in the agent config)")
@@ -244,7 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     out = args.output or args.timeline.with_suffix(".html")
     try:
-        path = write_report(args.timeline, out)
+        path = write_report(args.timeline, out, warn=lambda msg: print(f"mfuwatch report: {msg}", file=sys.stderr))
     except (OSError, ValueError) as exc:
         print(f"mfuwatch report: {exc}", file=sys.stderr)
         return 2

@@ -14,8 +14,17 @@ record every 10 s). The report needs, per kind:
   group's last breakdown), so a chart of a month-long run has the shape of the whole run in a few
   thousand points. :attr:`TimelineData.merged` says how many records one drawn point stands for.
 
-Lines are read one at a time, each at most :data:`MAX_LINE_BYTES`; a longer or malformed line
-(other than a torn last line, which a killed job leaves) is an error naming its line number.
+Lines are read one at a time, each at most :data:`MAX_LINE_BYTES`. A line that cannot be used is
+skipped and counted in :attr:`TimelineData.skipped` (the reason, how many, the first line numbers),
+as resume does (:func:`mfuwatch.agent.fleet.goodput.iter_tail_records`), and the rest is reported:
+a line that is not JSON (a job killed mid-write leaves a cut line, which the restarted job's
+records follow on the next line), JSON that is not an object, a line longer than
+:data:`MAX_LINE_BYTES` (read past in bounded chunks), a ``step`` or ``window`` record whose ``step``
+is not a whole number in ``0..``:data:`MAX_PLAUSIBLE_STEP`, a ``step`` record whose ``steps`` is
+given but not a whole number in ``1..step``, and a record drawn on a time axis (``step``,
+``window``, ``gpu``, ``alert``) whose ``timestamp`` is not unix seconds in
+``0..``:data:`MAX_TIMESTAMP`. A torn last line (no newline after it: the job is still writing, or was
+killed) is skipped without counting.
 """
 
 from __future__ import annotations
@@ -32,6 +41,11 @@ MAX_POINTS = 4000
 MAX_ALERTS = 10000
 #: longest timeline line accepted; the agent's longest records (a window with its top ops) are a few KB
 MAX_LINE_BYTES = 16 << 20
+#: largest step number believed; the bound resume uses (``mfuwatch.agent.fleet.goodput.MAX_PLAUSIBLE_STEP``,
+#: not imported: ``report`` reads only the timeline and ``schema``)
+MAX_PLAUSIBLE_STEP = 10**12
+#: line numbers kept per skip reason (the others are counted)
+MAX_SKIPPED_LINES = 5
 #: step-record fields kept exactly for the run-wide medians and quantiles
 STEP_FIELDS = ("mfu", "hfu", "model_flops_per_second", "tokens_per_second", "step_time_seconds")
 #: GPU-record fields the health chart draws
@@ -140,6 +154,67 @@ def merge_steps(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
     return c.points("step", 1)[0][0]
 
 
+_INF = float("inf")
+
+
+def _whole(x: Any) -> Optional[int]:
+    """``x`` as an int when it is a finite whole number (an int, or a float such as 10.0), else ``None``."""
+    if type(x) is int:
+        return x
+    if type(x) is float and x == x and x not in (_INF, -_INF) and x == int(x):
+        return int(x)
+    return None
+
+
+#: skip reasons, as the message words them
+NOT_JSON = "not JSON"
+NOT_OBJECT = "not a JSON object"
+TOO_LONG = f"longer than {MAX_LINE_BYTES >> 20} MiB"
+BAD_STEP = f"step not a whole number in 0..{MAX_PLAUSIBLE_STEP:.0e}".replace("e+", "e")
+BAD_STEPS = "steps not a whole number in 1..step"
+#: latest timestamp a chart can place (9999-12-31 23:59:59 UTC, ``datetime``'s last second)
+MAX_TIMESTAMP = 253402300799.0
+BAD_TIME = "timestamp not a time in 1970..9999"
+#: the kinds drawn on a time axis (their ``timestamp`` must be one)
+TIMED_KINDS = ("step", "window", "gpu", "alert")
+
+
+def bad_record(rec: Dict[str, Any]) -> Optional[str]:
+    """Why a record cannot be drawn, or ``None``: a ``step``/``window`` record's step numbers
+    (:func:`bad_step`), or the ``timestamp`` of a kind in :data:`TIMED_KINDS` that is not a number of
+    unix seconds in ``0..MAX_TIMESTAMP`` (:data:`BAD_TIME`; missing included)."""
+    kind = rec.get("kind")
+    if kind not in TIMED_KINDS:
+        return None
+    if kind in ("step", "window"):
+        reason = bad_step(rec)
+        if reason is not None:
+            return reason
+    t = rec.get("timestamp")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_TIMESTAMP:  # NaN fails too
+        return BAD_TIME
+    return None
+
+
+def bad_step(rec: Dict[str, Any]) -> Optional[str]:
+    """Why a ``step``/``window`` record cannot be drawn (:data:`BAD_STEP`, :data:`BAD_STEPS`), or ``None``.
+
+    ``step`` must be a whole number (an int, or a float such as ``10.0``) in ``0..MAX_PLAUSIBLE_STEP``;
+    a step record's ``steps``, when given (not null), a whole number in ``1..step`` (resume's rule,
+    :func:`mfuwatch.agent.fleet.goodput.steps_to_redo`).
+    """
+    s = _whole(rec.get("step"))
+    if s is None or not 0 <= s <= MAX_PLAUSIBLE_STEP:
+        return BAD_STEP
+    if rec.get("kind") == "step":
+        n = rec.get("steps")
+        if n is not None:
+            n = _whole(n)
+            if n is None or not 1 <= n <= s:
+                return BAD_STEPS
+    return None
+
+
 @dataclass
 class TimelineData:
     """The records of one run, grouped by kind, in file order (timestamps ascending), bounded in size.
@@ -148,7 +223,9 @@ class TimelineData:
     past that); ``step_columns`` has every step record's values for exact medians; ``last_window`` is
     the latest window record in full; ``alerts`` the first :data:`MAX_ALERTS` alert records and
     ``alerts_not_listed`` the count of the others; ``merged[kind]`` how many records one drawn point
-    stands for (1: none merged); ``counts[kind]`` the records read.
+    stands for (1: none merged); ``counts[kind]`` the records read; ``skipped`` the lines of the whole
+    file (every run in it) left out: ``{reason: [count, first line numbers (at most
+    MAX_SKIPPED_LINES)]}``, in the order the reasons were first met (:meth:`skipped_summary`).
     """
 
     run: Dict[str, Any] = field(default_factory=dict)
@@ -164,6 +241,27 @@ class TimelineData:
     alerts_not_listed: int = 0
     merged: Dict[str, int] = field(default_factory=lambda: {"step": 1, "window": 1, "gpu": 1})
     counts: Dict[str, int] = field(default_factory=lambda: {"step": 0, "window": 0, "gpu": 0, "alert": 0})
+    skipped: Dict[str, List[Any]] = field(default_factory=dict)
+
+    def skip(self, reason: str, lineno: int) -> None:
+        """Count line ``lineno`` (1-based) as skipped for ``reason``."""
+        entry = self.skipped.setdefault(reason, [0, []])
+        entry[0] += 1
+        if len(entry[1]) < MAX_SKIPPED_LINES:
+            entry[1].append(lineno)
+
+    def skipped_summary(self, name: str) -> Optional[str]:
+        """One line saying which lines of the file ``name`` were skipped, or ``None`` when none was:
+        ``2 line(s) of t.jsonl skipped (1 not JSON at line 28; 1 step not a whole number in 0..1e12 at
+        line 40)``; past :data:`MAX_SKIPPED_LINES` of one reason the line numbers end with ``...``."""
+        if not self.skipped:
+            return None
+        parts = []
+        for reason, (count, lines) in self.skipped.items():
+            where = ", ".join(map(str, lines)) + (", ..." if count > len(lines) else "")
+            parts.append(f"{count:,} {reason} at line{'s' if count > 1 else ''} {where}")
+        total = sum(c for c, _ in self.skipped.values())
+        return f"{total:,} line(s) of {name} skipped ({'; '.join(parts)})"
 
 
 def _finish(data: TimelineData) -> TimelineData:
@@ -185,15 +283,14 @@ def load_timeline(path: Union[str, Path]) -> TimelineData:
 
     A ``run`` record with another ``run``/``rank`` than the current one starts over (a
     new run appended to the file); one with the same labels (a restarted job, or facts
-    learnt later such as the peak) only fills in the run's facts.
+    learnt later such as the peak) only fills in the run's facts. Lines that cannot be used
+    (see the module docstring) are skipped and counted in :attr:`TimelineData.skipped`.
 
     Raises:
         OSError: if the file cannot be read.
-        ValueError: a line other than the last is not JSON, or a line is longer than
-            :data:`MAX_LINE_BYTES` (naming the line number).
     """
     data = TimelineData()
-    pending_error: Optional[str] = None
+    skipped = data.skipped  # file-wide: kept when a new run starts over
     scan = json.JSONDecoder().scan_once
     with open(path, "rb") as fh:
         lineno = 0
@@ -203,27 +300,41 @@ def load_timeline(path: Union[str, Path]) -> TimelineData:
                 break
             lineno += 1
             if len(line) > MAX_LINE_BYTES:
-                raise ValueError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES >> 20} MiB; the agent's "
-                                 "records are a few KB: not an mfuwatch timeline")
+                while line and not line.endswith(b"\n"):  # read past the rest of it, a chunk at a time
+                    line = fh.readline(MAX_LINE_BYTES)
+                data.skip(TOO_LONG, lineno)
+                continue
             if not line.strip():
                 continue
-            if pending_error is not None:
-                raise ValueError(pending_error)
             try:
                 text = line.decode("utf-8").strip()
                 rec, end = scan(text, 0)  # json's C scanner without json.loads' wrappers: the hot path
                 if end != len(text):
                     raise ValueError(f"extra data after the record at column {end + 1}")
-            except (ValueError, StopIteration) as exc:  # UnicodeDecodeError included; StopIteration: no value
-                pending_error = f"{path}:{lineno}: not a JSON line: {exc or 'no JSON value'}"
+            except (ValueError, StopIteration):  # UnicodeDecodeError included; StopIteration: no value
+                if line.endswith(b"\n"):  # else the last line, torn: a job killed, or still writing it
+                    data.skip(NOT_JSON, lineno)
                 continue
             if type(rec) is not dict:
+                data.skip(NOT_OBJECT, lineno)
                 continue
             if rec.get("kind") == "step":  # most records: inline
+                s, n, t = rec.get("step"), rec.get("steps"), rec.get("timestamp")
+                if not (type(s) is int and 0 <= s <= MAX_PLAUSIBLE_STEP and (n is None or type(n) is int and
+                        1 <= n <= s) and type(t) is float and 0.0 <= t <= MAX_TIMESTAMP):  # fast; else in full
+                    reason = bad_record(rec)
+                    if reason is not None:
+                        data.skip(reason, lineno)
+                        continue
                 data.counts["step"] += 1
                 data.step_columns.add(rec)
             else:
+                reason = bad_record(rec)
+                if reason is not None:
+                    data.skip(reason, lineno)
+                    continue
                 data = _absorb(data, rec)
+                data.skipped = skipped
     return _finish(data)
 
 

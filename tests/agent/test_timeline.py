@@ -1,5 +1,6 @@
 """Timeline: JSONL records round-trip; NaN becomes null; a torn last line is tolerated."""
 
+import json
 import math
 
 import pytest
@@ -26,6 +27,38 @@ def test_torn_last_line_skipped_but_middle_garbage_fails(tmp_path):
     p.write_text('{"kind":"run"}\nnot json\n{"kind":"step"}\n')
     with pytest.raises(ValueError, match=":2:"):
         list(read_timeline(p))
+
+
+def test_appending_to_a_cut_file_ends_the_cut_line_first(tmp_path):
+    # Issue #28: a job SIGKILLed mid-write leaves its last line cut; the restarted job's Timeline ended it with
+    # a newline before its run record, so the cut line stays one bad line and every new record is whole.
+    p = tmp_path / "t.jsonl"
+    tl = Timeline(p)
+    for i in range(1, 4):
+        tl.write({"kind": "step", "step": 10 * i, "timestamp": float(i)})
+    tl.close()
+    whole = p.read_bytes()
+    assert whole.count(b"\n") == 3 and whole.endswith(b"\n")
+    p.write_bytes(whole[:-20])  # what `head -c -20` of a killed job's file leaves
+    tl = Timeline(p)
+    tl.write({"kind": "run", "run": "again", "rank": 0})
+    tl.write({"kind": "step", "step": 40, "timestamp": 4.0})
+    tl.close()
+    lines = p.read_bytes().split(b"\n")
+    assert lines[:2] == whole.split(b"\n")[:2] and lines[2] == whole.split(b"\n")[2][:-19]  # cut, kept as it was
+    assert [json.loads(x) for x in lines[3:5]] == [{"kind": "run", "run": "again", "rank": 0},
+                                                   {"kind": "step", "step": 40, "timestamp": 4.0}]
+    assert lines[5:] == [b""] and len(lines) == 6
+    # a whole file (and an empty one) gets no extra newline: appending again adds exactly its records
+    before = p.read_bytes()
+    tl = Timeline(p)
+    tl.write({"kind": "step", "step": 50, "timestamp": 5.0})
+    tl.close()
+    assert p.read_bytes() == before + b'{"kind":"step","step":50,"timestamp":5.0}\n'
+    e = tmp_path / "e.jsonl"
+    e.touch()
+    Timeline(e).close()
+    assert e.read_bytes() == b""
 
 
 def test_none_path_is_noop(tmp_path, monkeypatch):

@@ -222,12 +222,78 @@ def test_cli_writes_the_report_and_prints_its_path(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == f"report: {(tmp_path / 't.html').resolve()}"
     assert report.main([str(timeline), "-o", str(tmp_path / "x" / "r.html")]) == 0
     assert (tmp_path / "x" / "r.html").stat().st_size > 1_000_000  # plotly.js is embedded
-    bad = tmp_path / "bad.jsonl"
+    capsys.readouterr()
+    bad = tmp_path / "bad.jsonl"  # bad lines are skipped, counted, and said once; the rest is reported
     bad.write_text('{"kind": "run", "run": "r"}\nnot json\n{"kind": "step"}\n', encoding="utf-8")
-    assert report.main([str(bad), "-o", str(tmp_path / "bad.html")]) == 2
-    err = capsys.readouterr().err
-    assert "bad.jsonl:2" in err and not (tmp_path / "bad.html").exists()
+    assert report.main([str(bad), "-o", str(tmp_path / "bad.html")]) == 0
+    out, err = capsys.readouterr()
+    assert err.splitlines() == ["mfuwatch report: 2 line(s) of bad.jsonl skipped (1 not JSON at line 2; "
+                                "1 step not a whole number in 0..1e12 at line 3)"]
+    assert out.strip() == f"report: {(tmp_path / 'bad.html').resolve()}"
+    note = re.search(r'<p class="note">(.*?)</p>', (tmp_path / "bad.html").read_text(encoding="utf-8")).group(1)
+    assert note == ("<b>Note:</b> 2 line(s) of bad.jsonl skipped (1 not JSON at line 2; 1 step not a whole "
+                    "number in 0..1e12 at line 3). They are left out of every chart and figure; the report "
+                    "shows the rest.")
+    page = (tmp_path / "x" / "r.html").read_text(encoding="utf-8")
+    assert '<p class="note">' not in page  # a clean timeline has no note
     assert report.main([str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_a_file_with_only_bad_lines_fails_in_one_line(tmp_path, capsys):
+    p = tmp_path / "junk.jsonl"
+    p.write_text('garbage\n{"kind": "step", "step": Infinity, "timestamp": 1.7e9}\n[1]\n', encoding="utf-8")
+    assert report.main([str(p), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"mfuwatch report: {p}: no mfuwatch timeline records (kinds run, step, window, gpu, alert); "
+                   "3 line(s) of junk.jsonl skipped (1 not JSON at line 1; 1 step not a whole number in 0..1e12 "
+                   "at line 2; 1 not a JSON object at line 3); is this the agent's `timeline:` file?"]
+    assert not (tmp_path / "r.html").exists()
+
+
+def _cpu_job(path: Path, run: str, steps: int) -> None:
+    """A small CPU training job watched by the agent, writing its timeline to ``path``."""
+    import torch
+
+    from mfuwatch.agent import Agent
+    from mfuwatch.agent.demo import DemoLM, DemoShape
+
+    s = DemoShape(vocab=32, d_model=16, n_layers=1, n_heads=2, d_ff=24, seq=6, batch=2)
+    torch.manual_seed(0)
+    model = DemoLM(s)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    a = Agent(model, opt, config=dict(exporter=False, nvml=False, alerts=False, profile_every="off", run=run,
+                                      report_every_steps=2, timeline=str(path), progress=False, peak_flops=1e11))
+    x = torch.randint(0, 32, (2, 6))
+    for _ in range(steps):
+        model(x).float().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    a.close()
+
+
+def test_a_job_killed_mid_write_then_restarted_gives_a_report_of_the_restart(tmp_path, capsys):
+    # Issue #28: SIGKILL cut the last line; the restarted job's run record went onto the cut line and the
+    # report refused the whole file ("killed.jsonl:N: not a JSON line", status 2).
+    first = tmp_path / "tl.jsonl"
+    _cpu_job(first, "first", 20)
+    killed = tmp_path / "killed.jsonl"
+    cut = first.read_bytes()[:-40]  # head -c -40
+    killed.write_bytes(cut)
+    cut_line = cut.count(b"\n") + 1
+    _cpu_job(killed, "second", 20)
+    lines = killed.read_bytes().split(b"\n")
+    assert lines[cut_line - 1] == cut.split(b"\n")[-1]  # the cut line, alone on its line
+    later = [json.loads(x) for x in lines[cut_line:] if x]
+    assert later[0]["kind"] == "run" and later[0]["run"] == "second"
+    want = [r["step"] for r in later if r["kind"] == "step"]
+    out = tmp_path / "k.html"
+    assert report.main([str(killed), "-o", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"mfuwatch report: 1 line(s) of killed.jsonl skipped (1 not JSON at line {cut_line})"]
+    data = report.load_timeline(killed)
+    assert data.run["run"] == "second" and [s["step"] for s in data.steps] == want and want[-1] == 20
+    assert sum(s["steps"] for s in data.steps) == 20  # every step of the restarted job, once
+    assert f"1 not JSON at line {cut_line}" in out.read_text(encoding="utf-8")
 
 
 def test_report_renders_in_headless_chromium(tmp_path):
@@ -268,3 +334,17 @@ def test_a_file_without_timeline_records_is_an_error(tmp_path):
     p.write_text('{"a": 1}\n')
     assert main([str(p), "-o", str(tmp_path / "r.html")]) == 2
     assert not (tmp_path / "r.html").exists()
+
+
+def test_alert_and_run_fields_of_any_json_type_render(tmp_path):
+    # The fresh-user fuzz of issue #28 (every field of each record kind set to Infinity, NaN, null, "x", {}, [1],
+    # -1, 1e308, true): an alert's text fields and annotations, and the run's peak, crashed the page.
+    path = write_timeline(tmp_path / "t.jsonl", _run_info(peak_flops_per_second="x"))
+    with path.open("a") as fh:
+        fh.write(json.dumps({"kind": "alert", "alertname": 5, "status": None, "severity": [1], "summary": {},
+                             "annotations": "x", "timestamp": T0}) + "\n")
+    data = report.load_timeline(path)
+    assert report.peak_flops(data) == pytest.approx(PEAK)  # not the run's "x": the one the steps imply
+    page = report.render_html(data, "t.jsonl")
+    row = re.search(r"<tr><td>2025-06-15 15:06:40 UTC</td>(.*?)</tr>", page).group(1)
+    assert row == "<td>5</td><td></td><td>[1]</td><td>{}</td><td></td>"
