@@ -30,6 +30,7 @@ import statistics
 import torch
 
 import mfuwatch.kernels._cross_entropy_triton as K
+from _ce_common import parse, ref, rel, run  # noqa: F401 - parse is used by --ncu
 
 P = argparse.ArgumentParser()
 P.add_argument("--ncu", default=None, help="settings 'BLOCK,warps,kind,pps,stages' separated by ';' (a leading c: "
@@ -56,39 +57,6 @@ if os.environ.get("CE_PLAIN"):  # a later call's own lists: "B,w,kind,pps,st;...
 if os.environ.get("CE_SOFTCAP"):
     SOFTCAP = [tuple(int(a) if i != 2 else a for i, a in enumerate(s.split(","))) for s in
                os.environ["CE_SOFTCAP"].split(";")]
-
-
-def parse(s):
-    b, w, k, p, f = s.split(",")
-    return int(b), int(w), k, int(p), int(f)
-
-
-def ref(x, t, eps, zl, cap):
-    """float64 loss rows and gradient of their sum times 0.5 (ignore_index -100)."""
-    x64 = x.double().requires_grad_()
-    z = cap * torch.tanh(x64 / cap) if cap else x64
-    lse = torch.logsumexp(z, -1)
-    keep = t != -100
-    tt = torch.where(keep, t, 0)
-    logp = z - lse[:, None]
-    rows = -(1 - eps) * logp.gather(1, tt[:, None])[:, 0] - eps * logp.mean(-1) + zl * lse ** 2
-    rows = torch.where(keep, rows, 0.0)
-    (rows.sum() * 0.5).backward()
-    return rows.detach(), x64.grad
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("nan")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def run(x, t, setting, eps=0.0, zl=0.0, cap=0.0, dx=None):
-    dx = torch.empty_like(x) if dx is None else dx
-    loss, lse = K.ce_fwd(x, t, -100, eps, zl, cap, grad_scale=torch.full((1,), 0.5, device=DEV), dx=dx,
-                         setting=setting)
-    return loss, lse, dx
 
 
 def check():

@@ -81,6 +81,25 @@ def _tanh(u):
 
 
 @triton.jit
+def _store_loss(loss_ptr, lse_ptr, lse, zt, zsum, V, smoothing, z_loss, valid, ignored):
+    """Store one row's loss (the module docstring's formula; NaN for a target outside [0, V), 0 when ignored)
+    and its lse (fp32 scalars)."""
+    loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
+    loss = tl.where(valid, loss, float("nan"))
+    loss = tl.where(ignored, 0.0, loss)
+    tl.store(loss_ptr, loss)
+    tl.store(lse_ptr, lse)
+
+
+@triton.jit
+def _row_coef(coef, valid, ignored):
+    """The gradient's factor of one row: ``coef`` (the mean's 1 / count or the upstream gradient), NaN for a
+    target outside [0, V), 0 for an ignored row."""
+    coef = tl.where(valid, coef, float("nan"))
+    return tl.where(ignored, 0.0, coef)
+
+
+@triton.jit
 def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
                HAS_SOFTCAP: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr = 1,
                REVERSE: tl.constexpr = False):
@@ -179,15 +198,9 @@ def _ce_fwd_kernel(
         zt = tl.load(x_row + t_safe).to(tl.float32)
         if HAS_SOFTCAP:
             zt = softcap * _tanh(zt * (1.0 / softcap))
-        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-        loss = tl.where(valid, loss, float("nan"))
-        loss = tl.where(ignored, 0.0, loss)
-        tl.store(LOSS + row, loss)
-        tl.store(LSE + row, lse)
+        _store_loss(LOSS + row, LSE + row, lse, zt, zsum, V, smoothing, z_loss, valid, ignored)
         if WRITE_GRAD:
-            coef = tl.load(SCALE).to(tl.float32)
-            coef = tl.where(valid, coef, float("nan"))
-            coef = tl.where(ignored, 0.0, coef)
+            coef = _row_coef(tl.load(SCALE).to(tl.float32), valid, ignored)
             _grad_pass(x_row, DX + row * stride_dx, V, t_safe, lse, coef, smoothing, z_loss, softcap,
                        HAS_SOFTCAP, HINTS, BLOCK, STAGES, REVERSE)
 
@@ -239,14 +252,8 @@ def _ce_fwd_split_kernel(
     lse = tl.where(n >= S, lse, float("nan"))
     if seg == tl.where(valid, t // BLOCK, 0):  # one program per row writes the row's loss and lse
         zsum = tl.sum(tl.load(PZ + row * S + offs, mask=om, other=0.0, volatile=True), 0)
-        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-        loss = tl.where(valid, loss, float("nan"))
-        loss = tl.where(ignored, 0.0, loss)
-        tl.store(LOSS + row, loss)
-        tl.store(LSE + row, lse)
-    coef = tl.load(SCALE).to(tl.float32)
-    coef = tl.where(valid, coef, float("nan"))
-    coef = tl.where(ignored, 0.0, coef)
+        _store_loss(LOSS + row, LSE + row, lse, zt, zsum, V, smoothing, z_loss, valid, ignored)
+    coef = _row_coef(tl.load(SCALE).to(tl.float32), valid, ignored)
     g = e * (tl.exp(mx - lse) * (1.0 + 2.0 * z_loss * lse)) - smoothing / V
     g = g - tl.where(cols == t, 1.0 - smoothing, 0.0)
     if HAS_SOFTCAP:
@@ -290,14 +297,8 @@ def _row_loss(x_row, t_ptr, loss_ptr, lse_ptr, lse, zsum, write, V, ignore_index
         zt = tl.load(x_row + tl.where(valid, t, 0)).to(tl.float32)
         if HAS_SOFTCAP:
             zt = softcap * _tanh(zt * (1.0 / softcap))
-        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-        loss = tl.where(valid, loss, float("nan"))
-        loss = tl.where(ignored, 0.0, loss)
-        tl.store(loss_ptr, loss)
-        tl.store(lse_ptr, lse)
-    coef = tl.where(valid, coef0, float("nan"))
-    coef = tl.where(ignored, 0.0, coef)
-    return t, coef
+        _store_loss(loss_ptr, lse_ptr, lse, zt, zsum, V, smoothing, z_loss, valid, ignored)
+    return t, _row_coef(coef0, valid, ignored)
 
 
 @triton.jit
@@ -577,6 +578,48 @@ def _softcap_fast(x, k, c, NEWTON: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _fast_lse_step(x, mx, s, ASM: tl.constexpr):
+    """One block of the online log-sum-exp: ``(max, sum exp(z - max))`` after the block ``x`` (fp32; masked
+    lanes -inf), from the running ``(mx, s)``; exp as ex2 with the log2(e) scale folded into one FFMA."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    nm = tl.maximum(mx, tl.max(x, 0))
+    return nm, s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
+
+
+@triton.jit
+def _fast_lse_step_local(x, mv, sv, softcap, FIXED: tl.constexpr, ASM: tl.constexpr):
+    """The per-thread form of :func:`_fast_lse_step` on an (R, VEC) tile: a running max and sum per tile row
+    (``mv``, ``sv``: (R,)); ``FIXED`` (softcap c <= FIXED_MAX_SOFTCAP): ``sv += sum exp(z - c)``, no max."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if FIXED:  # z <= c: exp(z - c) in [exp(-2c), 1], no max needed (see the launcher)
+        sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
+    else:
+        nm = tl.maximum(mv, tl.max(x, 1))
+        ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E  # a row of -inf logits: no NaN
+        sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
+        mv = nm
+    return mv, sv
+
+
+@triton.jit
+def _fast_grad(x, kexp, softcap, a, b, sub, HAS_SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+               NEWTON: tl.constexpr, ASM: tl.constexpr):
+    """The gradient of one block without the target column's term: ``a * exp(z - lse) - sub``, times
+    ``sech^2 / 4`` with a softcap (the 4 is folded into ``a`` and ``sub``); ``b = lse * log2(e)``."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    if HAS_SOFTCAP:
+        z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON, ASM)
+    else:
+        z = x
+    g = _ex2(z * LOG2E - b, ASM) * a
+    if SMOOTH:
+        g = g - sub
+    if HAS_SOFTCAP:
+        g = g * (e * rc * rc)
+    return g
+
+
+@triton.jit
 def _ce_fast_kernel(
     X, T, LOSS, LSE, DX, SCALE,  # as _ce_fwd_kernel with WRITE_GRAD (DX may alias X)
     rows, stride_x, stride_dx, V, ignore_index, smoothing, z_loss, softcap, kexp,  # kexp = -2 log2(e) / softcap
@@ -619,13 +662,7 @@ def _ce_fast_kernel(
                     x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
                 if SMOOTH:
                     zv += tl.sum(x, 1)
-                if FIXED:  # z <= c: exp(z - c) in [exp(-2c), 1], no max needed (see the launcher)
-                    sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
-                else:
-                    nm = tl.maximum(mv, tl.max(x, 1))
-                    ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E  # a row of -inf logits: no NaN
-                    sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
-                    mv = nm
+                mv, sv = _fast_lse_step_local(x, mv, sv, softcap, FIXED, ASM)
             if tail < V:
                 m2 = tail + offs < V
                 x = tl.load(x_row + tail + offs, mask=m2, other=0.0).to(tl.float32)
@@ -634,13 +671,7 @@ def _ce_fast_kernel(
                 if SMOOTH:
                     zv += tl.sum(tl.where(m2, x, 0.0), 1)
                 x = tl.where(m2, x, -float("inf"))
-                if FIXED:
-                    sv += tl.sum(_ex2(x * LOG2E - softcap * LOG2E, ASM), 1)
-                else:
-                    nm = tl.maximum(mv, tl.max(x, 1))
-                    ns = tl.where(nm == -float("inf"), 0.0, nm) * LOG2E
-                    sv = sv * _ex2(mv * LOG2E - ns, ASM) + tl.sum(_ex2(x * LOG2E - ns[:, None], ASM), 1)
-                    mv = nm
+                mv, sv = _fast_lse_step_local(x, mv, sv, softcap, FIXED, ASM)
             if FIXED:
                 mx = softcap
                 s = tl.sum(sv, 0)
@@ -662,9 +693,7 @@ def _ce_fast_kernel(
                     x, _e, _r = _softcap_fast(x, kexp, softcap, NEWTON1, ASM)
                 if SMOOTH:
                     zsum += tl.sum(x, 0)
-                nm = tl.maximum(mx, tl.max(x, 0))
-                s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
-                mx = nm
+                mx, s = _fast_lse_step(x, mx, s, ASM)
             if tail < V:
                 cols = tail + tl.arange(0, BLOCK)
                 m = cols < V
@@ -674,9 +703,7 @@ def _ce_fast_kernel(
                 if SMOOTH:
                     zsum += tl.sum(tl.where(m, x, 0.0), 0)
                 x = tl.where(m, x, -float("inf"))
-                nm = tl.maximum(mx, tl.max(x, 0))
-                s = s * _ex2((mx - nm) * LOG2E, ASM) + tl.sum(_ex2(x * LOG2E - nm * LOG2E, ASM), 0)
-                mx = nm
+                mx, s = _fast_lse_step(x, mx, s, ASM)
         lse = mx + tl.log(s)
         xt = tl.load(x_row + t_safe).to(tl.float32)
         if HAS_SOFTCAP:
@@ -685,14 +712,8 @@ def _ce_fast_kernel(
         else:
             zt = xt
             dzdx_t = 1.0
-        loss = (1.0 - smoothing) * (lse - zt) + smoothing * (lse - zsum / V) + z_loss * lse * lse
-        loss = tl.where(valid, loss, float("nan"))
-        loss = tl.where(ignored, 0.0, loss)
-        tl.store(LOSS + row, loss)
-        tl.store(LSE + row, lse)
-        coef = tl.load(SCALE).to(tl.float32)
-        coef = tl.where(valid, coef, float("nan"))
-        coef = tl.where(ignored, 0.0, coef)
+        _store_loss(LOSS + row, LSE + row, lse, zt, zsum, V, smoothing, z_loss, valid, ignored)
+        coef = _row_coef(tl.load(SCALE).to(tl.float32), valid, ignored)
         if ZLOSS:
             grow = 1.0 + 2.0 * z_loss * lse
         else:
@@ -708,15 +729,7 @@ def _ce_fast_kernel(
             cols = tail + tl.arange(0, BLOCK)
             m = cols < V
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON2, ASM)
-            else:
-                z = x
-            g = _ex2(z * LOG2E - b, ASM) * a
-            if SMOOTH:
-                g = g - sub
-            if HAS_SOFTCAP:
-                g = g * (e * rc * rc)
+            g = _fast_grad(x, kexp, softcap, a, b, sub, HAS_SOFTCAP, SMOOTH, NEWTON2, ASM)
             tl.store(dx_row + cols, g.to(DX.dtype.element_ty), mask=m)
         for i in tl.range(0, nfull, num_stages=STAGES):
             cols = (nfull - 1 - i) * BLOCK + tl.arange(0, BLOCK)
@@ -724,15 +737,7 @@ def _ce_fast_kernel(
                 x = tl.load(x_row + cols, eviction_policy="evict_first").to(tl.float32)
             else:
                 x = tl.load(x_row + cols).to(tl.float32)
-            if HAS_SOFTCAP:
-                z, e, rc = _softcap_fast(x, kexp, softcap, NEWTON2, ASM)
-            else:
-                z = x
-            g = _ex2(z * LOG2E - b, ASM) * a
-            if SMOOTH:
-                g = g - sub
-            if HAS_SOFTCAP:
-                g = g * (e * rc * rc)
+            g = _fast_grad(x, kexp, softcap, a, b, sub, HAS_SOFTCAP, SMOOTH, NEWTON2, ASM)
             if HINTS:
                 tl.store(dx_row + cols, g.to(DX.dtype.element_ty), eviction_policy="evict_first")
             else:

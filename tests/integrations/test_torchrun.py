@@ -14,9 +14,9 @@ import sys
 import time
 
 import pytest
-import yaml
 from helpers.net import free_port_pair, scrape
 from helpers.receiver import AlertReceiver
+from helpers.torchrun_config import write_observed_config
 
 from mfuwatch.agent.live.timeline import read_timeline
 
@@ -34,18 +34,7 @@ def _value(samples, name, **labels):
 def test_torchrun_two_ranks_two_exporters_one_notification_sender(tmp_path):
     base = free_port_pair()
     config = tmp_path / "agent.yaml"
-    config.write_text(yaml.safe_dump({
-        "report_every_steps": 5,
-        "peak_flops": 1.0e13,  # a fixed peak: a CPU calibration taken while the other rank computes can be too low
-        "alerts": {
-            "evaluation_interval": "1s",
-            "use_default_rules": False,
-            "notifiers": [{"type": "webhook", "url_env": "MFUWATCH_TEST_WEBHOOK_URL", "max_retries": 0}],
-            "rules": {"TrainingObserved": {"expr": "mfu", "op": ">", "threshold": 0, "for": "0s",
-                                           "severity": "info",
-                                           "annotations": {"summary": "rank {labels.rank} reports MFU {value:pct}"}}},
-        },
-    }))
+    write_observed_config(config, "info")
     timeline = tmp_path / "timeline.jsonl"
     with AlertReceiver() as rx:
         env = dict(os.environ, MFUWATCH_TEST_WEBHOOK_URL=rx.url, MFUWATCH_RUN=RUN, OMP_NUM_THREADS="1",

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers.net import free_port_pair, scrape
 from helpers.receiver import AlertReceiver
+from helpers.torchrun_config import write_observed_config
 from test_torchrun import _value
 
 from mfuwatch.agent.live.timeline import read_timeline
@@ -32,18 +32,7 @@ def test_sigterm_to_torchrun_closes_every_rank(tmp_path):
     base = free_port_pair()
     timeline = tmp_path / "timeline.jsonl"
     config = tmp_path / "agent.yaml"
-    config.write_text(yaml.safe_dump({
-        "report_every_steps": 5,
-        "peak_flops": 1.0e13,  # a fixed peak: a CPU calibration taken while the other rank computes can be too low
-        "alerts": {
-            "evaluation_interval": "1s",
-            "use_default_rules": False,
-            "notifiers": [{"type": "webhook", "url_env": "MFUWATCH_TEST_WEBHOOK_URL", "max_retries": 0}],
-            "rules": {"TrainingObserved": {"expr": "mfu", "op": ">", "threshold": 0, "for": "0s",
-                                           "severity": "critical", "cooldown": "30m",
-                                           "annotations": {"summary": "rank {labels.rank} reports MFU {value:pct}"}}},
-        },
-    }))
+    write_observed_config(config, "critical", cooldown="30m")
     with AlertReceiver() as rx:
         env = dict(os.environ, MFUWATCH_RUN="torchrun-preempt", MFUWATCH_TEST_WEBHOOK_URL=rx.url,
                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -336,9 +336,15 @@ def test_team_kernel_matches_float64(dtype, opts, setting, gen):
     t = torch.randint(0, 50, (9,), generator=gen)
     t[2] = -100
     t[5] = 49  # the target in the last, partial segment
+    _check_fused_against_float64(K, x, t, opts, dtype, setting)
+
+
+def _check_fused_against_float64(K, x, t, opts, dtype, setting):
+    """``ce_fwd`` writing the gradient (scale 0.37, into a NaN-poisoned buffer) against the float64 reference:
+    loss rows, lse and dlogits of ``x`` (rows x 50, any stride) with targets ``t`` (-100 ignored)."""
     sm, eps, zl = opts.get("softcap"), opts.get("smoothing", 0.0), opts.get("z_loss", 0.0)
     scale = torch.tensor([0.37])
-    dx = torch.full((9, 50), float("nan"), dtype=dtype)
+    dx = torch.full(tuple(x.shape), float("nan"), dtype=dtype)
     xd, td, dxd = x.to(DEVICE), t.to(DEVICE), dx.to(DEVICE)
     loss, lse = K.ce_fwd(xd, td, -100, eps, zl, sm or 0.0, grad_scale=scale.to(DEVICE), dx=dxd, setting=setting)
     x64 = x.double().requires_grad_()
@@ -387,19 +393,7 @@ def test_fast_kernel_matches_float64(dtype, opts, setting, gen):
     t[2] = -100
     t[5] = 49
     t[6] = 0
-    sm, eps, zl = opts.get("softcap"), opts.get("smoothing", 0.0), opts.get("z_loss", 0.0)
-    scale = torch.tensor([0.37])
-    dx = torch.full((9, 50), float("nan"), dtype=dtype)
-    xd, td, dxd = x.to(DEVICE), t.to(DEVICE), dx.to(DEVICE)
-    loss, lse = K.ce_fwd(xd, td, -100, eps, zl, sm or 0.0, grad_scale=scale.to(DEVICE), dx=dxd, setting=setting)
-    x64 = x.double().requires_grad_()
-    rows = ref_rows(x64, t, -100, eps, zl, sm)
-    (rows.sum() * 0.37).backward()
-    assert_close(loss.cpu(), rows.detach(), torch.float32, "loss rows")
-    z = x.double() if sm is None else sm * torch.tanh(x.double() / sm)
-    assert_close(lse.cpu(), torch.logsumexp(z, -1), torch.float32, "lse")
-    assert not torch.isnan(dxd).any()
-    assert_close(dxd.cpu().float(), x64.grad, dtype, "dlogits")
+    _check_fused_against_float64(K, x, t, opts, dtype, setting)
 
 
 @pytest.mark.parametrize("stages", [1, 1001], ids=["block", "local"])
