@@ -3,7 +3,8 @@
 The interpreter (which runs the other tests) never lowers a kernel to PTX, so an op that the
 GPU compiler rejects would only show on the GPU machine. This compiles each kernel family with
 the settings the launchers use (the backward with one and two rows per step), for bf16 and fp32, to a cubin with the ptxas bundled in the
-triton wheel; the cross-entropy "fast" kernel with its inline PTX (ex2/rcp.approx.ftz) in two specialisations.
+triton wheel; the cross-entropy "fast" kernel with its inline PTX (ex2/rcp.approx.ftz) in two specialisations, and the
+one-program-per-row cross-entropy kernel with and without a softcap.
 """
 
 import textwrap
@@ -69,6 +70,11 @@ SCRIPT = textwrap.dedent(
         comp(CE._ce_fast_kernel, ce_sig, dict(HAS_SOFTCAP=cap, SMOOTH=cap, ZLOSS=cap, HINTS=local, BLOCK=4096,
                                               STAGES=3, NEWTON1=newton, NEWTON2=False, ASM=True, LOCAL=local, VEC=8,
                                               FIXED=local), 8)
+    # the one-program-per-row kernel ("rev", writing the gradient; the shared loss/coef/gradient helpers)
+    fwd_sig = {k: v for k, v in ce_sig.items() if k != "kexp"}
+    for cap in (False, True):
+        comp(CE._ce_fwd_kernel, fwd_sig, dict(HAS_SOFTCAP=cap, WRITE_GRAD=True, HINTS=False, BLOCK=2048, STAGES=4,
+                                              REVERSE=True, LANES=False), 4)
     print("compiled", n)
     """
 )
@@ -76,4 +82,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    assert_compiles_in_subprocess(SCRIPT, 50)
+    assert_compiles_in_subprocess(SCRIPT, 52)
