@@ -148,6 +148,7 @@ class FlopModel:
     """
 
     def __init__(self, model: Optional[nn.Module], config: Any, errors: Any) -> None:
+        self._said_no_count = False  # the fullgraph warning of on_forward_start, once
         from ..config import ConfigError
 
         self.model, self.config, self.errors = model, config, errors
@@ -248,8 +249,14 @@ class FlopModel:
                     self.lengths = lengths
             fc = self.counter
             if fc is not None:
-                if not fc.active and may_start and step >= 1 and self.model_flops_per_token is None:
-                    fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
+                if not fc.active and step >= 1 and self.model_flops_per_token is None:
+                    if may_start:
+                        fc.start()  # count one real step (the 2nd: the 1st may hold lazy init)
+                    elif not self._said_no_count:  # only a model that needs a count is told
+                        self._said_no_count = True
+                        log.warning("mfuwatch: the model runs through torch.compile(fullgraph=True) (or "
+                                    "error_on_graph_break): FlopCounterMode cannot count a step through it and "
+                                    "the model has no analytic FLOP formula; pass flops_per_step=... for MFU")
                 fc.mark_forward_start()
         except Exception as exc:  # noqa: BLE001
             self._give_up(exc)

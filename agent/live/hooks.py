@@ -373,7 +373,6 @@ class _WrapperHooks:
 
     def __init__(self, model: nn.Module, hooks: "TrainingHooks") -> None:
         self.model, self.hooks = model, hooks
-        self._said = False
         self._global: list = []
         self._instance: list = []
         self.wrappers: list = []
@@ -478,13 +477,7 @@ class _WrapperHooks:
         with ``fullgraph=True`` / ``error_on_graph_break=True``, or when this torch does not say."""
         ctx = getattr(wrapper, "dynamo_ctx", None)
         full, strict = getattr(ctx, "fullgraph", None), getattr(ctx, "error_on_graph_break", None)
-        ok = full is False and not strict
-        if not ok and not self._said:
-            self._said = True
-            log.warning("mfuwatch: %s runs through torch.compile(fullgraph=True) (or error_on_graph_break): "
-                        "FlopCounterMode cannot count a step through it; a model without an analytic FLOP "
-                        "formula needs flops_per_step=... for MFU", type(self.model).__name__)
-        return ok
+        return full is False and not strict  # the flop model says so once if it needed the count
 
     def remove(self) -> None:
         self._drop_global()
