@@ -30,7 +30,8 @@ import sys
 P = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 P.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes (plumbing check)")
 P.add_argument("--recompute-sweep", action="store_true",
-               help="also time linear CE mode='recompute' per launch setting of its two kernels (forward, backward)")
+               help="also time linear CE mode='recompute' per tile shape (rows x classes), at the issue's shape and as "
+         "the HF end to end runs it")
 P.add_argument("--sweep", action="store_true",
                help="instead of the provider table: every launch setting of the fused forward (CE fwd+bwd), linear "
                     "CE per chunk size and dW accumulation (time, peak memory, dW error against float64), the dW "
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mfuwatch.kernels as mk  # noqa: E402
+from mfuwatch.kernels._lce_recompute import fp32_addmm_works  # noqa: E402
 
 DEV = "cpu" if ARGS.smoke else "cuda"
 BF16 = torch.bfloat16
@@ -160,7 +162,7 @@ lce_bf16_accumulation = lce_variant(ACCUMULATE_FP32=False)
 
 def lce_providers():
     out = {"mfuwatch": lambda h, w, t: mk.linear_cross_entropy(h, w, t),
-           "mfuwatch mode='recompute' (no logits in memory)": lambda h, w, t: mk.linear_cross_entropy(
+           "mfuwatch mode='recompute' (one logits tile)": lambda h, w, t: mk.linear_cross_entropy(
                h, w, t, mode="recompute"),
            "mfuwatch, two streams (OVERLAP on)": lce_variant(OVERLAP=True),
            "mfuwatch, dW accumulated in fp32": lce_variant(ACCUMULATE_FP32=True), "eager": eager_lce}
@@ -322,55 +324,57 @@ def table(bw: float) -> str:
 
 # ---------------------------------------------------------------- --recompute-sweep
 
-RC_FWD = [(128, 128, 32, 8, 4), (128, 128, 64, 8, 3), (64, 128, 32, 4, 4)]
-RC_BWD = [(128, 128, 32, 8, 2), (128, 128, 16, 8, 3), (128, 128, 64, 8, 2)]
+RC_TILES = [None, (4096, 4096), (2048, 8192), (8192, 2048), (4096, 2048), (2048, 4096)]
 
 
 def recompute_sweep() -> str:
-    """Linear CE mode='recompute' per launch setting (forward alone, then forward + backward with the best
-    forward), at 8192 x 4096 x 128256 bf16; then both modes as the HF end to end runs them (fp32 hidden
-    8192 x 2048 and fp32 weight under bf16 autocast): ms and GiB above inputs and gradients."""
+    """Linear CE mode='recompute' per tile shape (None: the chooser's) at 8192 x 4096 x 128256 bf16, forward alone
+    and forward + backward, two interleaved rounds, with GiB above inputs and gradients; the best shape is left
+    set. Then both modes as the HF end to end runs them (fp32 hidden 8192 x 2048 and fp32 weight under bf16
+    autocast): ms and GiB above inputs and gradients."""
     import importlib
 
-    R = importlib.import_module("mfuwatch.kernels._lce_recompute_triton")
-    out = ["", "Linear CE mode='recompute', 8192 x 4096 x 128256 bf16, per setting (BM, BN, BK, warps, stages):", "",
-           "| kernel | setting | ms | ms again |", "|---|---|---|---|"]
+    R = importlib.import_module("mfuwatch.kernels._lce_recompute")
+    h0, w0 = (N, H), (V, H)
+    auto = R.tile_shape(N, V, H, 2, True, True, 2, False, False)
+    out = ["", f"Linear CE mode='recompute', {N} x {H} x {V} bf16, per tile shape (rows x classes; the chooser's: "
+           f"{auto[0]} x {auto[1]}); two interleaved rounds:", "",
+           "| tile | forward ms | fwd+bwd ms (round 1, round 2) | GiB above inputs + grads |", "|---|---|---|---|"]
     g = torch.Generator(device=DEV).manual_seed(6)
-    n, hh, v = (N, H, V)
-    t = torch.randint(0, v, (n,), device=DEV, generator=g)
-    h = torch.randn(n, hh, device=DEV, generator=g).to(BF16).requires_grad_()
-    w = (torch.randn(v, hh, device=DEV, generator=g) / math.sqrt(hh)).to(BF16).requires_grad_()
-
-    def pick(kind, attr, settings, fn, **kw):
-        """Time ``fn`` under each setting of ``R.<attr>`` (twice), add the rows, leave the fastest set."""
-        best = (math.inf, getattr(R, attr))
-        for c in settings:
-            setattr(R, attr, c)
-            try:
-                a, b = bench(fn, **kw), bench(fn, **kw)
-            except Exception as exc:  # noqa: BLE001 - a setting that does not compile: its row says so
-                a = b = math.nan
-                print(f"{kind} {c}: {type(exc).__name__}: {str(exc)[:200]}")
-            out.append(f"| {kind} | {c} | {a:.2f} | {b:.2f} |")
-            if min(a, b) < best[0]:
-                best = (min(a, b), c)
-        setattr(R, attr, best[1])
-        return best
+    t = torch.randint(0, V, (N,), device=DEV, generator=g)
+    h = torch.randn(*h0, device=DEV, generator=g).to(BF16).requires_grad_()
+    w = (torch.randn(*w0, device=DEV, generator=g) / math.sqrt(H)).to(BF16).requires_grad_()
+    grads_bytes = 2 * (h.numel() + w.numel())
 
     def fwd_only():
         with torch.no_grad():
             mk.linear_cross_entropy(h, w, t, mode="recompute")
 
-    best_f = pick("forward", "FWD_SETTING", RC_FWD, fwd_only)
-    best_b = pick("forward + backward", "BWD_SETTING", RC_BWD,
-                  lambda: mk.linear_cross_entropy(h, w, t, mode="recompute").backward(), grad_to_none=[h, w])
-    out += ["", f"best: forward {best_f[1]}, backward {best_b[1]}", ""]
+    def step():
+        mk.linear_cross_entropy(h, w, t, mode="recompute").backward()
+
+    res = {c: [] for c in RC_TILES}
+    fwd = {}
+    for rnd in range(2):
+        for c in RC_TILES:
+            R.TILE = c
+            if rnd == 0:
+                fwd[c] = bench(fwd_only)
+            res[c].append(bench(step, grad_to_none=[h, w]))
+    best = min(RC_TILES, key=lambda c: min(res[c]))
+    for c in RC_TILES:
+        R.TILE = c
+        mem = extra_gib(step, [h, w], grads_bytes)
+        name = "chooser" if c is None else f"{c[0]} x {c[1]}"
+        out.append(f"| {name} | {fwd[c]:.2f} | {res[c][0]:.2f}, {res[c][1]:.2f} | {mem:.3f} |")
+    R.TILE = None  # the provider table below times the chooser's shape
+    out += ["", f"fastest: {'the chooser' if best is None else best}", ""]
     del h, w
     torch.cuda.empty_cache()
     out += ["As the HF Llama end to end: fp32 hidden 8192 x 2048, fp32 weight, bf16 autocast; fwd+bwd ms (two "
             "interleaved rounds: median, min-max) and GiB above inputs + grads", "",
             "| V | mode | ms | rounds | GiB extra |", "|---|---|---|---|---|"]
-    for vv in (32000, 128256):
+    for vv in (32000, 128256, 151936):
         h = torch.randn(8192, 2048, device=DEV, generator=g).requires_grad_()
         w = (torch.randn(vv, 2048, device=DEV, generator=g) / 45.0).requires_grad_()
         t = torch.randint(0, vv, (8192,), device=DEV, generator=g)
@@ -385,7 +389,7 @@ def recompute_sweep() -> str:
                 res[m].append(bench(lambda: run(m), grad_to_none=[h, w]))
         for m, ts in res.items():
             mem = extra_gib(lambda: run(m), [h, w], 4 * (h.numel() + w.numel()))
-            out.append(f"| {vv} | {m} | {statistics.median(ts):.2f} | {min(ts):.2f}-{max(ts):.2f} | {mem:.2f} |")
+            out.append(f"| {vv} | {m} | {statistics.median(ts):.2f} | {min(ts):.2f}-{max(ts):.2f} | {mem:.3f} |")
         del h, w, t
         torch.cuda.empty_cache()
     return "\n".join(out)
@@ -562,7 +566,7 @@ def sweep() -> str:
                     "addmm_ bf16 on dW^T view (beta 1)": lambda: dw16.t().addmm_(hh.t(), gg),
                     "mm, then add_ (bf16)": lambda: dw16.add_(torch.mm(gg.t(), hh))}
         dw32 = torch.randn(V, H, device=DEV)
-        if L._fp32_addmm_works(dw32, gg):
+        if fp32_addmm_works(dw32, gg):
             variants["addmm fp32 out (beta 1)"] = lambda: torch.addmm(dw32, gg.t(), hh, out_dtype=torch.float32,
                                                                          out=dw32)
         for k, f in variants.items():
@@ -588,7 +592,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu (interpreter)'}")
     bw = copy_bandwidth()
     ok = check()
-    rc_text = recompute_sweep() if ARGS.recompute_sweep and DEV == "cuda" else ""  # sets the best settings
+    rc_text = recompute_sweep() if ARGS.recompute_sweep and DEV == "cuda" else ""
     print(rc_text, flush=True)
     time_ce(bw)
     time_lce()

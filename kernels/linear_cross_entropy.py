@@ -42,14 +42,15 @@ from torch import Tensor, nn
 
 from . import _cross_entropy_triton as K
 from . import _flops
+from . import _lce_recompute as R
 from ._dispatch import first_order_only, needs_grad, use_custom_op
-from ._launch import use_triton
+from ._lce_recompute import fp32_addmm_works
 from .cross_entropy import ce_flops, check_options, reduce_rows
 
 #: Values of ``mode``: "chunked" (the default: row chunks of logits formed by cuBLAS GEMMs, the gradient
-#: written over them, then the dhidden/dweight GEMMs) and "recompute" (no logits tile ever in device memory:
-#: fused GEMM + online log-sum-exp tiles forward, the tiles formed again in the backward; see
-#: :mod:`._lce_recompute_triton`).
+#: written over them, then the dhidden/dweight GEMMs) and "recompute" (the logits only as one tile of at most
+#: 32 MiB: the forward keeps an online log-sum-exp per row, the backward forms each tile again; see
+#: :mod:`._lce_recompute`).
 MODES = ("chunked", "recompute")
 
 
@@ -67,25 +68,16 @@ def check_mode(mode, name: str = "mode") -> str:
 
 def _recompute_forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], opts,
                        dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """(loss rows fp32 (N,), lse fp32 (N,)) of mode "recompute": no logits in memory on the Triton path (the
-    chunked forward elsewhere, which has no gradient pass)."""
-    if not use_triton(hidden) or hidden.shape[0] == 0:
-        rows, lse, _, _, _ = _chunked(hidden, weight, target, bias, opts, dtype, None, None, None, (False,) * 3)
-        return rows, lse
-    from . import _lce_recompute_triton as R
-
+    """(loss rows fp32 (N,), lse fp32 (N,)) of mode "recompute" (:func:`._lce_recompute.lse_forward`)."""
     return R.lse_forward(hidden, weight, bias, target, dtype, *opts)
 
 
 def _recompute_backward(coef: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
                         lse: Tensor, opts, dtype: torch.dtype, need: Tuple[bool, bool, bool]):
-    """(dhidden, dweight, dbias) of ``sum(coef * loss_rows)`` (None where not in ``need``) of mode "recompute"."""
-    if not use_triton(hidden) or hidden.shape[0] == 0:
-        _, _, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, None, coef, lse, need)
-        return dh, dw, db
-    from . import _lce_recompute_triton as R
-
+    """(dhidden, dweight, dbias) of ``sum(coef * loss_rows)`` (None where not in ``need``) of mode "recompute"
+    (:func:`._lce_recompute.grad_backward`)."""
     return R.grad_backward(hidden, weight, bias, target, lse, coef, dtype, *opts, need)
+
 
 #: Elements of logits per chunk: rows per chunk = the largest power of two with rows x V <= this, but at least
 #: MIN_CHUNK_ROWS. 2^27 is 256 MiB of bf16 logits (4096 rows at V = 32000); at V = 128256 the floor of 2048 rows
@@ -115,7 +107,6 @@ ACCUMULATE_FP32: Optional[bool] = None
 OVERLAP: Optional[bool] = None
 #: Largest chunk of logits (bytes) overlapped when OVERLAP is None.
 OVERLAP_MAX_BYTES = 1 << 27
-_ADDMM_OUT_DTYPE: dict = {}
 _SIDE: dict = {}
 
 
@@ -166,27 +157,6 @@ def accumulate_fp32(dtype: torch.dtype, weight_dtype: torch.dtype) -> bool:
     return bool(ACCUMULATE_FP32)
 
 
-def _fp32_addmm_works(acc: Tensor, g: Tensor) -> bool:
-    """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` accumulates bf16/fp16 products into
-    an fp32 ``c`` in place on this device (the cuBLAS fp32-output GEMM, torch >= 2.9 on CUDA); probed once per
-    device and dtype on a 16 x 8 problem (one host-device sync, at first use only)."""
-    key = (acc.device, g.dtype)
-    ok = _ADDMM_OUT_DTYPE.get(key)
-    if ok is None:
-        ok = False
-        if acc.is_cuda:
-            try:
-                c = torch.ones(16, 8, device=acc.device)
-                a = torch.ones(16, 4, dtype=g.dtype, device=acc.device)
-                b = torch.ones(4, 8, dtype=g.dtype, device=acc.device)
-                torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-                ok = bool((c == 5.0).all())
-            except Exception:  # noqa: BLE001 - no such overload here: the slab path
-                ok = False
-        _ADDMM_OUT_DTYPE[key] = ok
-    return ok
-
-
 def _accumulate_dw(acc: Tensor, g: Tensor, h: Tensor) -> None:
     """``acc (V, H) += g.T @ h`` with g (C, V), h (C, H) in the compute dtype; ``acc`` fp32 (or, with
     :data:`ACCUMULATE_FP32` off, the compute dtype). An fp32 ``acc`` with bf16/fp16 operands takes the
@@ -196,7 +166,7 @@ def _accumulate_dw(acc: Tensor, g: Tensor, h: Tensor) -> None:
     if acc.dtype == g.dtype:
         acc.addmm_(g.t(), h)
         return
-    if _fp32_addmm_works(acc, g):
+    if fp32_addmm_works(acc, g):
         torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
         return
     s = max(1, SLAB_ELEMENTS // max(H, 1))
@@ -327,7 +297,7 @@ def _lce_op(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tenso
     """(loss, lse, dhidden, dweight, dbias). ``grads``: which of hidden, weight, bias need a gradient. With
     ``fused`` (reductions "mean"/"sum", mode "chunked"): ``loss`` is the reduced 0-d loss and the gradients in
     ``grads`` are formed (for an upstream gradient of 1); else ``loss`` holds the (N,) per-row losses, the
-    gradients are empty and the backward op recomputes (``mode`` "recompute": without logits in memory)."""
+    gradients are empty and the backward op recomputes (``mode`` "recompute": one logits tile at a time)."""
     opts = (ignore_index, label_smoothing, z_loss, softcap)
     if mode == "recompute":
         rows, lse = _recompute_forward(hidden, weight, target, bias, opts, dtype)
@@ -515,10 +485,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             LM training), ``ignore_index`` for positions without a label.
         ignore_index, reduction, label_smoothing, z_loss, softcap: as :func:`mfuwatch.kernels.cross_entropy`.
         mode: "chunked" (default: fastest; one chunk of logits, 2048 rows at V = 128256, alive at a time) or
-            "recompute" (for runs short of memory: no logits tile ever in device memory; the backward forms
-            them again, one GEMM more; fp32 gradient accumulators of a few tens of MiB, see
-            :mod:`._lce_recompute_triton`). Same loss and gradients up to rounding; in "recompute" the logits
-            are never rounded to the compute dtype (fp32 accumulators straight into the loss).
+            "recompute" (for runs short of memory: the logits only as one tile, the backward forms them again,
+            one GEMM more; at most 96 MiB above inputs and gradients, see :mod:`._lce_recompute`). Same loss
+            and gradients up to rounding.
     Returns:
         fp32 loss: 0-d for "mean"/"sum", shaped like ``target`` for "none". Gradients flow to ``hidden``,
         ``weight`` and ``bias`` in their own dtypes (dW and db accumulated in fp32). The GEMMs run in the

@@ -1,5 +1,6 @@
-"""linear_cross_entropy(..., mode="recompute") (no logits tile in memory; kernels/_lce_recompute_triton.py)
-against a float64 reference, over several row and vocabulary chunks, with every option of the API."""
+"""linear_cross_entropy(..., mode="recompute") (one logits tile at a time; kernels/_lce_recompute.py) against a
+float64 reference, over several row blocks and class slices, with every option of the API; and the tile shape's
+choice against hand-derived byte counts."""
 
 import copy
 import importlib
@@ -14,16 +15,16 @@ from tests.helpers.kernel_checks import DEVICE, assert_close, assert_compiles_in
 from tests.kernels import test_linear_cross_entropy as lce_tests
 from tests.kernels.test_cross_entropy import ref_loss
 
-R = importlib.import_module("mfuwatch.kernels._lce_recompute_triton")
+R = importlib.import_module("mfuwatch.kernels._lce_recompute")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Vocabulary chunks of 32 rows of dW and row chunks of 16 rows of dh (the interpreter's tiles are 16)."""
-    monkeypatch.setattr(R, "VOCAB_CHUNK", 32)
-    monkeypatch.setattr(R, "ROW_CHUNK_BYTES", 16 * 4 * 32)
+    """Tiles of 16 rows by 8 classes: at N = 37, V = 41 three row blocks (the last of 5 rows) and six class slices
+    (the last of 1 class), so every running value is merged across tiles and dW is added to by later blocks."""
+    monkeypatch.setattr(R, "TILE", (16, 8))
 
 
 def make(gen, dtype, n=37, h=24, v=41, bias=False):
@@ -137,39 +138,54 @@ def test_patch_lm_head_mode_recompute_equals_the_unpatched_model(gen):
 
 COMPILE_SCRIPT = """
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from mfuwatch.kernels import _lce_recompute_triton as R
+from mfuwatch.kernels import _lce_recompute as R
 
 target = GPUTarget("cuda", 90, 32)
 n = 0
-for p, dt, f32 in (("*bf16", tl.bfloat16, False), ("*fp32", tl.bfloat16, False)):  # bf16, and fp32 under autocast
-    common = dict(Hp=p, Wp=p, Bp=p, T="*i64", N="i32", V="i32", K="i32", stride_h="i32", stride_w="i32")
-    flags = dict(HAS_BIAS=True, HAS_SOFTCAP=True, F32=f32, IEEE=f32, DT=dt)
-    BM, BN, BK, w, s = R.FWD_SETTING
-    sig = dict(common, PM="*fp32", PS="*fp32", PZ="*fp32", PT="*fp32", cols_per_split="i32", softcap="fp32")
-    for even in (True, False):
-        k = triton.compile(ASTSource(R._lse_fwd_kernel, sig, dict(flags, BM=BM, BN=BN, BK=BK, STAGES=s, EVEN_K=even)),
-                           target=target, options=dict(num_warps=w, num_stages=s))
-        assert "wgmma" in k.asm["ptx"], "forward: no wgmma"
-        n += 1
-    BM, BN, BK, w, s = R.BWD_SETTING
-    sig = dict(common, LSE="*fp32", COEF="*fp32", DH="*fp32", DW="*fp32", DB="*fp32", v0="i32", chunk="i32",
-               smoothing="fp32", z_loss="fp32", softcap="fp32")
-    for offset in (True, False):
-        k = triton.compile(ASTSource(R._grad_bwd_kernel, sig, dict(flags, NEED_DH=True, NEED_DW=True, NEED_DB=True,
-                                                                   DW_OFFSET=offset, BM=BM, BN=BN, BK=BK, STAGES=s,
-                                                                   EVEN_K=True)),
-                           target=target, options=dict(num_warps=w, num_stages=s))
-        assert "wgmma" in k.asm["ptx"], "backward: no wgmma"
-        n += 1
+for p in ("*bf16", "*fp16", "*fp32"):
+    for cap in (False, True):
+        sig = dict(X=p, T="*i64", M="*fp32", S="*fp32", SZ="*fp32", ZT="*fp32", stride_x="i32", ncols="i32",
+                   col0="i32", softcap="fp32")
+        triton.compile(ASTSource(R._tile_stats_kernel, sig, dict(HAS_SOFTCAP=cap, SMOOTH=True, BLOCK=R.BLOCK)),
+                       target=target, options=dict(num_warps=R.WARPS))
+        sig = dict(X=p, T="*i64", LSE="*fp32", COEF="*fp32", stride_x="i32", ncols="i32", col0="i32", V="i32",
+                   smoothing="fp32", z_loss="fp32", softcap="fp32")
+        triton.compile(ASTSource(R._tile_grad_kernel, sig, dict(HAS_SOFTCAP=cap, BLOCK=R.BLOCK)), target=target,
+                       options=dict(num_warps=R.WARPS))
+        n += 2
 print("compiled", n)
 """
 
 
 @pytest.mark.slow
 def test_recompute_kernels_compile_for_sm90():
-    """Both kernels lower to sm_90 code with the default tiles (bf16 operands on wgmma), no GPU needed: the
-    interpreter never lowers them (see test_gpu_compile.py for the other kernels)."""
-    assert_compiles_in_subprocess(COMPILE_SCRIPT, 8)
+    """Both tile kernels lower to sm_90 code with the default block, for every logits dtype, with and without a
+    softcap; no GPU needed (the interpreter never lowers them; see test_gpu_compile.py for the other kernels)."""
+    assert_compiles_in_subprocess(COMPILE_SCRIPT, 12)
+
+
+def test_tile_shape_at_the_benchmark_shape_by_hand():
+    """8192 x 4096 x 128256 bf16 (the issue's shape). By the documented byte count, R = 4096 (C = 4096, 32 slices,
+    2 row blocks): dh 8*8192*4096*32 + dW 128256*4096*2*3 + h 8192*4096*2*32 + W 128256*4096*2*2 = 16.0 GB,
+    memory 32 + 64 = 96 MiB; R = 2048 (C = 8192, 16 slices, 4 blocks): 4.29 + 7.35 + 1.07 + 4.20 = 16.9 GB;
+    R = 8192 (C = 2048) would hold a 128 MiB dh accumulator: over the 96 MiB budget."""
+    N, H, V = 8192, 4096, 128256
+    assert R.tile_shape(N, V, H, 2, True, True, 2, False, False) == (4096, 4096)
+    moved = {4096: 8 * N * H * 32 + V * H * 2 * 3 + N * H * 2 * 32 + V * H * 2 * 2,
+             2048: 8 * N * H * 16 + V * H * 2 * 7 + N * H * 2 * 16 + V * H * 2 * 4}
+    assert moved[4096] < moved[2048]
+    # fp32 hidden and weight under bf16 autocast (the HF end to end), H = 2048: dh accumulates in place (no
+    # accumulator), W is cast slice by slice (6 bytes more per element and row block): R = N is allowed
+    # (tile 32 MiB + h cast 32 MiB + W slice cast 8 MiB = 72 MiB), and it moves the fewest bytes there
+    r, c = R.tile_shape(8192, 128256, 2048, 2, True, False, 4, True, True)
+    assert r * c <= R.TILE_ELEMENTS and c % R.ALIGN == 0
+    assert r * c * 2 + r * 2048 * 2 + c * 2048 * 2 <= R.BUDGET_BYTES
+
+
+@pytest.mark.parametrize("n, v, h", [(1, 1, 1), (5, 300, 7), (100000, 50, 64), (3000, 262144, 8192)])
+def test_tile_shape_stays_within_the_budget(n, v, h):
+    r, c = R.tile_shape(n, v, h, 2, True, True, 2, True, True)
+    assert 1 <= r <= n and 1 <= c <= v and r * c <= R.TILE_ELEMENTS
+    assert r * c * 2 + 4 * r * h + r * h * 2 + c * h * 2 <= R.BUDGET_BYTES
