@@ -64,7 +64,7 @@ P.add_argument("--model", default="llama", choices=MODELS,
 P.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
 P.add_argument("--tiny", action="store_true", help="CPU, Triton interpreter, a 2-layer d=32 model (plumbing check)")
 P.add_argument("--timeout", type=int, default=600, help="seconds allowed per child process (default 600)")
-P.add_argument("--profile", action="store_true", help="also list each configuration's top GPU kernels of one step")
+P.add_argument("--profile", action="store_true", help="also list each configuration's top 40 GPU kernels of one step")
 P.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one configuration, print one JSON line
 
 
@@ -161,7 +161,7 @@ def child(args) -> dict:
             sync()
         kernels = sorted(((e.key[:100], e.count, e.device_time_total / 1e3) for e in prof.key_averages()
                           if e.device_time_total > 0), key=lambda r: -r[2])
-        kernels = [("total", 0, sum(r[2] for r in kernels))] + kernels[:25]
+        kernels = [("total", 0, sum(r[2] for r in kernels))] + kernels[:40]
     return {"config": config, "vocab": vocab, "ms": times, "peak_gib": peak, "first_loss": first,
             "warmup_s": warm_s, "swapped": swapped, "phase_peaks_gib": phases, "kernels_ms": kernels}
 
