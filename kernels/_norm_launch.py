@@ -68,12 +68,19 @@ def _bwd_candidates(block_n: int):
     rows per step double the loads each program has in flight, for more
     registers. Two extra settings: at N = 4096, two rows per step on 16 warps with
     the registers capped at 64 (``maxnreg``, two programs per SM); at N = 8192, two
-    rows per step on 16 warps. The tuner measures and keeps the fastest.
+    rows per step on 16 warps. Rows of at most 512 elements first try ``1024 // N`` (and twice as many) rows per
+    step on 4 warps with 8 or 16 programs per SM. The tuner measures and keeps the fastest.
     """
     default_w = max(1, min(32, block_n // 256))
     ws = [default_w] + [w for w in (4, 8, 16, 32) if w != default_w and 2 <= block_n // (32 * w) <= 8]
     rows = (1, 2) if block_n <= 8192 else (1,)
-    out = [(per_sm, w, r, None) for r in rows for w in ws[:2] for per_sm in (2, 4, 1)]
+    out = []
+    if block_n <= 512:  # short rows (a head's q/k norm, N = 128): a (1024 // N, N) tile per step on 4 warps, 8
+        # programs per SM; one row per step on one warp (the default before) leaves each program one dependent
+        # 256-byte load per step at N = 128 (Qwen3's q/k norms: docs/benchmarks.md, issue 27 run 10)
+        r = 1024 // block_n
+        out += [(8, 4, r, None), (16, 4, r, None), (8, 4, 2 * r, None)]
+    out += [(per_sm, w, r, None) for r in rows for w in ws[:2] for per_sm in (2, 4, 1)]
     if block_n == 4096:
         out.append((2, 16, 2, 64))
     elif block_n == 8192:
