@@ -100,6 +100,21 @@ def _row_coef(coef, valid, ignored):
 
 
 @triton.jit
+def _grad_elems(x, cols, t, lse, grow, smoothing, V, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``dloss/dx`` (before the row's factor) of fp32 logits ``x`` at columns ``cols`` of a row with target
+    column ``t``, log-sum-exp ``lse`` and ``grow = 1 + 2 zl lse`` (the module docstring's gradient)."""
+    if HAS_SOFTCAP:
+        th, dzdx = _tanh_sech2(x * (1.0 / softcap))
+        z = softcap * th
+    else:
+        z = x
+    g = tl.exp(z - lse) * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
+    if HAS_SOFTCAP:
+        g = g * dzdx
+    return g
+
+
+@triton.jit
 def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
                HAS_SOFTCAP: tl.constexpr, HINTS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr = 1,
                REVERSE: tl.constexpr = False):
@@ -119,15 +134,7 @@ def _grad_pass(x_row, dx_row, V, t, lse, coef, smoothing, z_loss, softcap,
             x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
         else:
             x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            th, dzdx = _tanh_sech2(x * (1.0 / softcap))
-            z = softcap * th
-        else:
-            z = x
-        p = tl.exp(z - lse)
-        g = p * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
-        if HAS_SOFTCAP:
-            g = g * dzdx
+        g = _grad_elems(x, cols, t, lse, grow, smoothing, V, softcap, HAS_SOFTCAP)
         if HINTS:
             tl.store(dx_row + cols, (g * coef).to(dx_row.dtype.element_ty), mask=m, eviction_policy="evict_first")
         else:
@@ -491,14 +498,7 @@ def _ce_team_l2_kernel(
             cols = c0 + (NB - 1 - i) * BLOCK + tl.arange(0, BLOCK)  # the blocks read last first
             m = cols < V
             x = tl.load(x_row + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            if HAS_SOFTCAP:
-                th, dzdx = _tanh_sech2(x * (1.0 / softcap))
-                z = softcap * th
-            else:
-                z = x
-            g = tl.exp(z - lse) * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
-            if HAS_SOFTCAP:
-                g = g * dzdx
+            g = _grad_elems(x, cols, t, lse, grow, smoothing, V, softcap, HAS_SOFTCAP)
             tl.store(dx_row + cols, (g * coef).to(DX.dtype.element_ty), mask=m, eviction_policy="evict_first")
 
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cross_entropy_triton import _tanh, _tanh_sech2
+from ._cross_entropy_triton import _grad_elems, _tanh
 from ._launch import Launcher, cdiv, device_guard, pow2_at_least, use_triton
 
 #: Elements of the logits tile (2^24: 32 MiB of bf16).
@@ -145,14 +145,7 @@ def _tile_grad_kernel(X, T, LSE, COEF, stride_x, ncols, col0, V, smoothing, z_lo
         cols = start + tl.arange(0, BLOCK)
         m = cols < ncols
         x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            th, dzdx = _tanh_sech2(x * (1.0 / softcap))
-            z = softcap * th
-        else:
-            z = x
-        g = tl.exp(z - lse) * grow - smoothing / V - tl.where(cols == t, 1.0 - smoothing, 0.0)
-        if HAS_SOFTCAP:
-            g = g * dzdx
+        g = _grad_elems(x, cols, t, lse, grow, smoothing, V, softcap, HAS_SOFTCAP)
         tl.store(x_row + cols, (g * coef).to(X.dtype.element_ty), mask=m)
 
 
