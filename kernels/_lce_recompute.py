@@ -23,7 +23,9 @@ bf16/fp16 dW, none for an fp32 dW, which accumulates in place), and the tile's c
 Memory above inputs and gradients: the tile, the dh accumulator (when ``h`` is not fp32), one cast of the
 block's rows of ``h`` (when ``h`` is not in the compute dtype) and of the slice's rows of ``W`` (likewise; an fp32
 weight under autocast is cast slice by slice, never whole), and a few (N,) fp32 vectors: at most
-:data:`BUDGET_BYTES`. The tile shape minimises the bytes the GEMMs and accumulators move (see
+:data:`BUDGET_BYTES`. Outside that budget: an fp32 dW accumulator when asked for (``dw_fp32``), and one (R, H) or
+(C, H) product in the compute dtype on the fallback paths (no fp32-output GEMM in this torch or on this device; a
+bf16/fp16 weight in a dtype other than the compute dtype). The tile shape minimises the bytes the GEMMs and accumulators move (see
 :func:`tile_shape`); each slice's GEMMs are large enough (R, C >= 1024 where N and V allow) to run near cuBLAS's
 full rate. This is the recompute design of Apple's Cut Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in
 Large-Vocabulary Language Models"), written from the paper's description, with cuBLAS GEMMs and a tile held in
@@ -59,11 +61,14 @@ _ADDMM_OUT_DTYPE: dict = {}
 def fp32_addmm_works(acc: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` accumulates bf16/fp16 products into an
     fp32 ``c`` in place on this device (the cuBLAS fp32-output GEMM, torch >= 2.9 on CUDA); probed once per device
-    and dtype on a 16 x 8 problem (one host-device sync, at first use only)."""
+    and dtype on a 16 x 8 problem (one host-device sync, at first use outside a CUDA-graph capture; inside one, False
+    without probing)."""
     key = (acc.device, g.dtype)
     ok = _ADDMM_OUT_DTYPE.get(key)
     if ok is None:
         ok = False
+        if acc.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # no host sync inside a CUDA-graph capture: the fallback now, the probe at a later call
         if acc.is_cuda:
             try:
                 c = torch.ones(16, 8, device=acc.device)
@@ -307,10 +312,12 @@ def lse_forward(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], t: 
 
 def grad_backward(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], t: torch.Tensor, lse: torch.Tensor,
                   coef: torch.Tensor, dtype: torch.dtype, ignore_index: int, smoothing: float, z_loss: float,
-                  softcap: float, need: Tuple[bool, bool, bool]):
+                  softcap: float, need: Tuple[bool, bool, bool], dw_fp32: bool = False):
     """(dh, dW, db) of ``sum(coef * loss_rows)`` (each None unless asked for in ``need``), in the dtypes of ``h``,
     ``w`` and ``b``. ``coef`` (N,): the upstream gradient per row (an ignored row gets 0 here, an invalid target
-    NaN); ``lse`` (N,) fp32: :func:`lse_forward`'s."""
+    NaN); ``lse`` (N,) fp32: :func:`lse_forward`'s. ``dw_fp32``: accumulate a bf16/fp16 dW in an fp32 (V, H)
+    buffer (rounded once at the end; ``4 V H`` bytes more, outside the tile budget) instead of adding to it in its
+    own dtype once per row block."""
     N, H = h.shape
     V = w.shape[0]
     dev = h.device
@@ -325,8 +332,8 @@ def grad_backward(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], t
         dh = torch.zeros((N, H), dtype=f32, device=dev) if h.dtype == f32 else torch.empty((N, H), dtype=h.dtype,
                                                                                             device=dev)
     if need[1]:
-        dw = torch.zeros((V, H), dtype=f32, device=dev) if w.dtype == f32 else torch.empty((V, H), dtype=w.dtype,
-                                                                                            device=dev)
+        dw = torch.zeros((V, H), dtype=f32, device=dev) if w.dtype == f32 or dw_fp32 else \
+            torch.empty((V, H), dtype=w.dtype, device=dev)
     if need[2]:
         db = torch.zeros(V, dtype=f32, device=dev)
     if N and V:
@@ -365,6 +372,8 @@ def grad_backward(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], t
                     dh[r0:r1].copy_(a_r)
     elif need[1] and dw.dtype != f32:
         dw.zero_()
+    if need[1] and dw.dtype != w.dtype:
+        dw = dw.to(w.dtype)
     if db is not None and b.dtype != f32:
         db = db.to(b.dtype)
     return dh, dw, db

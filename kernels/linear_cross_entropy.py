@@ -49,8 +49,8 @@ from .cross_entropy import ce_flops, check_options, reduce_rows
 
 #: Values of ``mode``: "chunked" (the default: row chunks of logits formed by cuBLAS GEMMs, the gradient
 #: written over them, then the dhidden/dweight GEMMs) and "recompute" (the logits only as one tile of at most
-#: 32 MiB: the forward keeps an online log-sum-exp per row, the backward forms each tile again; see
-#: :mod:`._lce_recompute`).
+#: 2^24 elements, 32 MiB of bf16: the forward keeps an online log-sum-exp per row, the backward forms each tile
+#: again; see :mod:`._lce_recompute`).
 MODES = ("chunked", "recompute")
 
 
@@ -76,7 +76,8 @@ def _recompute_backward(coef: Tensor, hidden: Tensor, weight: Tensor, target: Te
                         lse: Tensor, opts, dtype: torch.dtype, need: Tuple[bool, bool, bool]):
     """(dhidden, dweight, dbias) of ``sum(coef * loss_rows)`` (None where not in ``need``) of mode "recompute"
     (:func:`._lce_recompute.grad_backward`)."""
-    return R.grad_backward(hidden, weight, bias, target, lse, coef, dtype, *opts, need)
+    return R.grad_backward(hidden, weight, bias, target, lse, coef, dtype, *opts, need,
+                           dw_fp32=accumulate_fp32(dtype, weight.dtype))
 
 
 #: Elements of logits per chunk: rows per chunk = the largest power of two with rows x V <= this, but at least
@@ -97,6 +98,7 @@ SLAB_ELEMENTS = 1 << 27
 #: beta = 1 (fp32 inside each GEMM, one rounding per chunk, four at 8192 x 128256): no (V, H) fp32 buffer,
 #: 2 x V x H bytes less memory (1.96 GiB at 128256 x 4096) and no passes over one. True: always an fp32
 #: accumulator (one rounding in all; for a bf16 weight a (V, H) fp32 buffer). False: always the compute dtype.
+#: Mode "recompute" follows it too (its bf16/fp16 dW is rounded once per row block of its tiles).
 ACCUMULATE_FP32: Optional[bool] = None
 #: Overlap the chunks on CUDA: chunk k's GEMMs 2 and 3 (dhidden, dweight) run on a side stream while GEMM 1 and
 #: the cross-entropy kernel of chunk k+1 run on the caller's stream, over two preallocated chunk buffers (two
@@ -302,12 +304,12 @@ def _lce_op(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tenso
     if mode == "recompute":
         rows, lse = _recompute_forward(hidden, weight, target, bias, opts, dtype)
         e = hidden.new_empty(0)
-        return rows, lse, e, weight.new_empty(0), weight.new_empty(0)
+        return rows, lse, e, weight.new_empty(0), _empty(None, bias if bias is not None else weight)
     need = tuple(g and fused for g in grads)
     scale = _scale(target, ignore_index, mean) if fused else None
     rows, lse, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, scale, None, None, need)
     loss = (rows.sum() * scale if mean else rows.sum()) if fused else rows
-    return loss, lse, _empty(dh, hidden), _empty(dw, weight), _empty(db, weight)
+    return loss, lse, _empty(dh, hidden), _empty(dw, weight), _empty(db, bias if bias is not None else weight)
 
 
 @_lce_op.register_fake
@@ -332,7 +334,7 @@ def _lce_bwd_op(grad_rows: Tensor, hidden: Tensor, weight: Tensor, target: Tenso
     else:
         _, _, dh, dw, db = _chunked(hidden, weight, target, bias, opts, dtype, None, grad_rows.float(), lse,
                                     tuple(grads))
-    return _empty(dh, hidden), _empty(dw, weight), _empty(db, weight)
+    return _empty(dh, hidden), _empty(dw, weight), _empty(db, bias if bias is not None else weight)
 
 
 @_lce_bwd_op.register_fake
@@ -490,7 +492,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: O
             and gradients up to rounding.
     Returns:
         fp32 loss: 0-d for "mean"/"sum", shaped like ``target`` for "none". Gradients flow to ``hidden``,
-        ``weight`` and ``bias`` in their own dtypes (dW and db accumulated in fp32). The GEMMs run in the
+        ``weight`` and ``bias`` in their own dtypes (db accumulated in fp32; dW in fp32 for an fp32 weight, else
+        as :data:`ACCUMULATE_FP32` says, in both modes). The GEMMs run in the
         autocast dtype under autocast, else in the inputs' promoted dtype.
     Raises:
         ValueError: bad options, shapes, dtypes or devices (the mismatched values are printed), or a ``mode``
