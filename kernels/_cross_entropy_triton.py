@@ -865,9 +865,7 @@ def check_inputs(x: torch.Tensor, target: torch.Tensor) -> None:
 def _torch_rows(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smoothing: float, z_loss: float,
                 softcap: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(z, lse, loss rows, valid, ignored) computed with torch ops in fp32, no autograd needed."""
-    z = x.float()
-    if softcap > 0:
-        z = softcap * torch.tanh(z / softcap)
+    z = torch_z(x, softcap)
     lse = torch.logsumexp(z, dim=-1)
     t = target.long()
     valid = (t >= 0) & (t < x.shape[1])
@@ -878,15 +876,26 @@ def _torch_rows(x: torch.Tensor, target: torch.Tensor, ignore_index: int, smooth
     return z, lse, torch.where(ignored, 0.0, loss), (valid, ignored)
 
 
+def torch_z(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """fp32 ``z`` of logits ``x``: ``c tanh(x / c)`` with a softcap ``c > 0``, else ``x``."""
+    z = x.float()
+    return softcap * torch.tanh(z / softcap) if softcap > 0 else z
+
+
 def _torch_grad(z: torch.Tensor, x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor,
-                valid_ignored, smoothing: float, z_loss: float, softcap: float) -> torch.Tensor:
-    """fp32 gradient of the rows' loss times ``coef`` (per row, broadcastable)."""
+                valid_ignored, smoothing: float, z_loss: float, softcap: float, V: Optional[int] = None,
+                col0: int = 0) -> torch.Tensor:
+    """fp32 gradient of the rows' loss times ``coef`` (per row, broadcastable). ``z``, ``x``: whole rows, or the
+    columns [col0, col0 + z.shape[1]) of rows of ``V`` classes (then only a target inside them is subtracted)."""
     valid, ignored = valid_ignored
-    V = z.shape[1]
+    C = z.shape[1]
+    V = C if V is None else V
     p = torch.exp(z - lse.unsqueeze(1))
     g = p * (1 + 2 * z_loss * lse).unsqueeze(1) - smoothing / V
-    g.scatter_add_(1, torch.where(valid, target.long(), 0).unsqueeze(1),
-                   torch.full((z.shape[0], 1), -(1 - smoothing), dtype=g.dtype, device=g.device))
+    loc = target.long() - col0
+    hit = valid & (loc >= 0) & (loc < C)
+    g.scatter_add_(1, torch.where(hit, loc, 0).unsqueeze(1),
+                   torch.where(hit, -(1 - smoothing), 0.0).to(g.dtype).unsqueeze(1))
     if softcap > 0:
         g = g * torch.cosh(x.float() / softcap).pow(-2)  # sech^2, accurate where tanh rounds to +-1
     coef = torch.where(valid, coef.float(), float("nan"))

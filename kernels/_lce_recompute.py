@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _cross_entropy_triton as K
 from ._cross_entropy_triton import _grad_elems, _tanh
 from ._launch import Launcher, cdiv, device_guard, pow2_at_least, use_triton
 
@@ -158,11 +159,6 @@ _STATS = Launcher(_tile_stats_kernel)
 _GRAD = Launcher(_tile_grad_kernel)
 
 
-def _z(x: torch.Tensor, softcap: float) -> torch.Tensor:
-    z = x.float()
-    return softcap * torch.tanh(z / softcap) if softcap > 0 else z
-
-
 def _fold_stats(tile: torch.Tensor, t: torch.Tensor, col0: int, stats, softcap: float, smooth: bool) -> None:
     """Fold a (rows, C) tile into ``stats`` = (M, S, SZ, ZT) views of the tile's rows (see _tile_stats_kernel)."""
     M, S, SZ, ZT = stats
@@ -173,7 +169,7 @@ def _fold_stats(tile: torch.Tensor, t: torch.Tensor, col0: int, stats, softcap: 
             _STATS(rows, (tile, t, M, S, SZ, ZT, tile.stride(0), C, col0, float(softcap) if softcap > 0 else 1.0),
                    {"HAS_SOFTCAP": softcap > 0, "SMOOTH": smooth, "BLOCK": block}, WARPS)
         return
-    z = _z(tile, softcap)
+    z = K.torch_z(tile, softcap)
     mx = z.max(1).values
     nm = torch.maximum(M, mx)
     S.copy_(S * torch.exp(M - nm) + torch.exp(z - nm.unsqueeze(1)).sum(1))
@@ -196,15 +192,9 @@ def _write_grad(tile: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, coef: to
             _GRAD(rows, (tile, t, lse, coef, tile.stride(0), C, col0, V, float(smoothing), float(z_loss),
                          float(softcap) if softcap > 0 else 1.0), {"HAS_SOFTCAP": softcap > 0, "BLOCK": block}, WARPS)
         return
-    x = tile.float()
-    z = _z(tile, softcap)
-    g = torch.exp(z - lse.unsqueeze(1)) * (1 + 2 * z_loss * lse).unsqueeze(1) - smoothing / V
-    loc = t.long() - col0
-    hit = (loc.unsqueeze(1) == torch.arange(C, device=tile.device).unsqueeze(0))
-    g = g - hit.float() * (1 - smoothing)
-    if softcap > 0:
-        g = g * torch.cosh(x / softcap).pow(-2)  # sech^2, accurate where tanh rounds to +-1
-    tile.copy_(g * coef.unsqueeze(1))
+    every = torch.ones(rows, dtype=torch.bool, device=tile.device)  # coef already holds ignored / invalid rows
+    tile.copy_(K._torch_grad(K.torch_z(tile, softcap), tile, t, lse, coef, (every, ~every), smoothing, z_loss,
+                             softcap, V=V, col0=col0))
 
 
 # ---------------------------------------------------------------- tiling
