@@ -65,6 +65,8 @@ P.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated su
 P.add_argument("--tiny", action="store_true", help="CPU, Triton interpreter, a 2-layer d=32 model (plumbing check)")
 P.add_argument("--timeout", type=int, default=600, help="seconds allowed per child process (default 600)")
 P.add_argument("--profile", action="store_true", help="also list each configuration's top 40 GPU kernels of one step")
+P.add_argument("--memory-peak", action="store_true",
+               help="also list what is alive at the forward's memory peak, by allocating line (allocator trace)")
 P.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one configuration, print one JSON line
 
 
@@ -151,6 +153,21 @@ def child(args) -> dict:
         sync()
         phases["optimizer"] = torch.cuda.max_memory_allocated() / 2**30
         del loss
+    peak_rows = []
+    if dev == "cuda" and args.memory_peak:  # one more forward with the allocator's history: what its peak holds
+        from _memory_peak import peak_breakdown, record
+
+        box = []
+
+        def forward():
+            with autocast:
+                box.append(fwd(input_ids=ids, labels=ids).loss)
+
+        base = torch.cuda.memory_allocated()
+        above, rows = peak_breakdown(record(forward), top=14)
+        box.clear()
+        opt.zero_grad(set_to_none=True)
+        peak_rows = [[above / 2**30, base / 2**30]] + [[b / 2**20, n, s] for b, n, s in rows]
     kernels = []
     if dev == "cuda" and args.profile:  # one more step under torch.profiler: the GPU kernels by device time
         from torch.profiler import ProfilerActivity, profile
@@ -163,14 +180,16 @@ def child(args) -> dict:
                           if e.device_time_total > 0), key=lambda r: -r[2])
         kernels = [("total", 0, sum(r[2] for r in kernels))] + kernels[:40]
     return {"config": config, "vocab": vocab, "ms": times, "peak_gib": peak, "first_loss": first,
-            "warmup_s": warm_s, "swapped": swapped, "phase_peaks_gib": phases, "kernels_ms": kernels}
+            "warmup_s": warm_s, "swapped": swapped, "phase_peaks_gib": phases, "kernels_ms": kernels,
+            "forward_peak": peak_rows}
 
 
 # ------------------------------------------------------------------ parent: spawn, collect, tabulate
 
 def run_child(config: str, vocab: int, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{config}:{vocab}", "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--model", args.model] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
+           "--warmup", str(args.warmup), "--model", args.model] + (["--tiny"] if args.tiny else [])
+    cmd += (["--profile"] if args.profile else []) + (["--memory-peak"] if args.memory_peak else [])
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -216,6 +235,12 @@ def table(results, configs, vocabs, args) -> str:
         if r.get("kernels_ms"):
             lines += ["", f"GPU kernels of one step, V={r['vocab']} {r['config']} (ms, calls):", ""]
             lines += [f"    {ms:8.3f}  x{n:<4d} {k}" for k, n, ms in r["kernels_ms"]]
+    for r in results:
+        if r.get("forward_peak"):
+            (above, base), rows = r["forward_peak"][0], r["forward_peak"][1:]
+            lines += ["", f"Alive at the forward's peak, V={r['vocab']} {r['config']}: {base:.2f} GiB before the forward "
+                      f"+ {above:.2f} GiB (MiB, blocks, allocating line):", ""]
+            lines += [f"    {mib:9.1f}  x{n:<5d} {where}" for mib, n, where in rows]
     notes = sorted({f"{r['config']}: {r['swapped']}" for r in results if r.get("swapped")})
     losses = sorted({f"V={r['vocab']} {r['config']}: {r['first_loss']:.4f}" for r in results if "first_loss" in r})
     return "\n".join(lines + ["", "Swapped by patch: " + ("; ".join(notes) or "n/a"),

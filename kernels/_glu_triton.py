@@ -99,9 +99,9 @@ def _glu_fwd_elementwise(
 
 @triton.jit
 def _glu_bwd_elementwise(
-    DY, G, U, DG, DU,  # DY, G, U: (rows, N) with row strides; DG, DU: (rows, N) contiguous outputs
+    DY, G, U, DG, DU, Y,  # DY, G, U: (rows, N) with row strides; DG, DU (and Y with WRITE_Y): contiguous outputs
     stride_dy, stride_g, stride_u, N, n_col_blocks,
-    ACT: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
@@ -113,6 +113,8 @@ def _glu_bwd_elementwise(
     a, da = _act_and_grad(g, ACT, True)
     tl.store(DU + row * N + cols, (dy * a).to(DU.dtype.element_ty), mask=m)
     tl.store(DG + row * N + cols, (dy * u * da).to(DG.dtype.element_ty), mask=m)
+    if WRITE_Y:  # the forward's output again, for a caller that did not keep it (the fused down projection)
+        tl.store(Y + row * N + cols, (a * u).to(Y.dtype.element_ty), mask=m)
 
 
 _FWD = Launcher(_glu_fwd_elementwise)
@@ -166,16 +168,19 @@ def glu_fwd(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tens
     return y
 
 
-def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``(d_gate, d_up)`` of :func:`glu_fwd`; contiguous, in the inputs' dtype."""
+def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str, want_y: bool = False
+            ) -> Tuple[torch.Tensor, ...]:
+    """Gradients ``(d_gate, d_up)`` of :func:`glu_fwd`; contiguous, in the inputs' dtype. With ``want_y`` also
+    the forward's output ``act(gate) * up`` (bit-identical to :func:`glu_fwd`'s), written by the same launch:
+    ``(d_gate, d_up, y)``."""
     act = _check(gate, up, activation)
     if dy.shape != gate.shape or dy.device != gate.device:
         raise ValueError(f"gradient {tuple(dy.shape)} on {dy.device} != gate {tuple(gate.shape)} on {gate.device}")
     dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     du = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if want_y else None
     if dg.numel() == 0:
-        return dg, du
+        return (dg, du, y) if want_y else (dg, du)
     if not use_triton(gate):  # PyTorch fallback in fp32: aten's own activation backward (no autograd needed,
         # so it also runs inside the custom op, where autograd is off: under torch.compile or FlopCounterMode)
         g = gate.float()
@@ -184,17 +189,20 @@ def glu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: 
             da = torch.ops.aten.silu_backward(gu, g)
         else:
             da = torch.ops.aten.gelu_backward(gu, g, approximate="tanh" if activation == "gelu_tanh" else "none")
-        return dg.copy_(da), du.copy_(dy.float() * _torch_act(g, activation))
+        a = _torch_act(g, activation)
+        dg.copy_(da), du.copy_(dy.float() * a)
+        return (dg, du, y.copy_(a * up.float())) if want_y else (dg, du)
     [(dy2, sdy), (g2, sg), (u2, su)], rows, n = _rows(dy, gate, up)
 
     def launch(c):
         ncb = cdiv(n, c[0])
-        _BWD(rows * ncb, (dy2, g2, u2, dg, du, sdy, sg, su, n, ncb), {"ACT": act, "BLOCK": c[0]}, c[1])
+        _BWD(rows * ncb, (dy2, g2, u2, dg, du, y if want_y else dg, sdy, sg, su, n, ncb),
+             {"ACT": act, "BLOCK": c[0], "WRITE_Y": want_y}, c[1])
 
     with device_guard(gate):
-        launch(tuned("glu_bwd", gate.device, (act, gate.dtype, rows == 1, row_bucket(dg.numel())),
+        launch(tuned("glu_bwd", gate.device, (act, gate.dtype, rows == 1, row_bucket(dg.numel()), want_y),
                      lambda: _CANDIDATES, launch, dg.numel()))
-    return dg, du
+    return (dg, du, y) if want_y else (dg, du)
 
 
 def reference(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

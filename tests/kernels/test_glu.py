@@ -111,3 +111,114 @@ def test_mlp_modules_match_reference(cls, kind, gen):
     y.sum().backward()
     assert all(p.grad is not None for p in m.parameters())
     assert list(cls(24, 40, bias=True, **kwargs).state_dict())[1] == "gate_proj.bias"
+
+
+def _mlp_float64(m, x, kind):
+    """The MLP in float64 autograd from the definitions: (y, {name: grad}, x's grad)."""
+    w = {k: v.detach().double().requires_grad_() for k, v in m.named_parameters()}
+    x64 = x.detach().double().requires_grad_()
+
+    def lin(name, t):
+        out = t @ w[name + ".weight"].T
+        return out + w[name + ".bias"] if name + ".bias" in w else out
+
+    y = lin("down_proj", ref_act(lin("gate_proj", x64), kind) * lin("up_proj", x64))
+    return y, w, x64
+
+
+def _saved_with_last_dim(fn, n, tokens):
+    """How many (tokens, n) activations autograd saves during ``fn()`` (any leading shape; weights, saved as
+    they are or transposed, have other sizes)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(1 for s in shapes if s and s[-1] == n and math.prod(s) == tokens * n), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cls, kind", [(SwiGLUMLP, "silu"), (GeGLUMLP, "none")])
+def test_fused_down_projection_matches_float64_forward_and_backward(cls, kind, dtype, gen):
+    """GLUDownFunction (the patched MLP's default in eager training): output and every gradient (x, the three
+    weights, the biases) against the float64 MLP; odd sizes, a bias, a non-contiguous input."""
+    torch.manual_seed(0)
+    m = cls(24, 37, bias=True).to(DEVICE, dtype)
+    x = torch.randn(3, 24, 5, generator=gen).transpose(1, 2).to(DEVICE, dtype).requires_grad_()  # (3, 5, 24)
+    assert not x.is_contiguous() and glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))
+    y = m(x)
+    dy = torch.randn(y.shape, generator=gen).to(DEVICE, dtype)
+    y.backward(dy)
+    yr, w, x64 = _mlp_float64(m, x, kind)
+    yr.backward(dy.double())
+    scale = 10.0  # three matmuls besides the fused op, each rounding in dtype
+    assert_close(y, yr, dtype, "y", scale=scale)
+    assert_close(x.grad, x64.grad, dtype, "dx", scale=scale)
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.dtype == dtype, name
+        assert_close(p.grad, w[name].grad, dtype, name, scale=scale)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast; the GPU runs the same comparison in the benchmarks")
+def test_fused_down_projection_is_bit_identical_to_the_unfused_mlp_under_autocast(monkeypatch, gen):
+    """fp32 master weights under bf16 autocast (as the end-to-end training runs): the fused form computes the
+    same ops on the same values, so output and gradients equal the unfused MLP's bit for bit, while autograd
+    keeps one (tokens, intermediate) tensor fewer (the down projection's input)."""
+    m = SwiGLUMLP(32, 48).to(DEVICE)
+    x = torch.randn(2, 7, 32, generator=gen).to(DEVICE).requires_grad_()
+
+    def run(fused):
+        monkeypatch.setattr(glu, "RECOMPUTE_DOWN_INPUT", fused)
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kept, y = _saved_with_last_dim(lambda: m(x), 48, 14)
+        y.float().square().sum().backward()
+        return kept, y.detach(), x.grad.clone(), [p.grad.clone() for p in m.parameters()]
+
+    k1, y1, dx1, g1 = run(True)
+    k0, y0, dx0, g0 = run(False)
+    assert (k0, k1) == (3, 2)  # unfused: gate, up and h = silu(gate) * up; fused: gate and up
+    assert y1.dtype == torch.bfloat16 and torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(g1, g0))
+
+
+def test_fused_down_projection_steps_aside_for_hooks_subclasses_and_frozen_inputs(gen):
+    """Where the fused form could change what runs, the MLP calls down_proj as written."""
+    m = SwiGLUMLP(16, 24).to(DEVICE)
+    x = torch.randn(4, 16, generator=gen).to(DEVICE)
+    g, u = m.gate_proj(x), m.up_proj(x)
+    assert glu._fused_down_ok(m.down_proj, g, u)
+    seen = []
+    h = m.down_proj.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape))
+    assert not glu._fused_down_ok(m.down_proj, g, u)
+    kept, _ = _saved_with_last_dim(lambda: m(x), 24, 4)
+    assert seen == [(4, 24)] and kept == 3  # the hook saw h; h was kept
+    h.remove()
+
+    class LoRALike(torch.nn.Linear):
+        pass
+
+    sub = LoRALike(24, 16).to(DEVICE)
+    assert not glu._fused_down_ok(sub, g, u)
+    with torch.no_grad():
+        assert not glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))
+    for p in m.parameters():
+        p.requires_grad_(False)
+    assert not glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))  # nothing to differentiate
+
+
+def test_glu_backward_can_also_return_the_forward_output(gen):
+    """glu_bwd(..., want_y=True)'s third output is glu_fwd's, bit for bit; the gradients are unchanged."""
+    from mfuwatch.kernels import _glu_triton as K
+
+    g = torch.randn(5, 33, generator=gen).to(DEVICE, torch.bfloat16)
+    u = torch.randn(5, 33, generator=gen).to(DEVICE, torch.bfloat16)
+    dy = torch.randn(5, 33, generator=gen).to(DEVICE, torch.bfloat16)
+    for act in ("silu", "gelu", "gelu_tanh"):
+        dg, du, y = K.glu_bwd(dy, g, u, act, want_y=True)
+        dg0, du0 = K.glu_bwd(dy, g, u, act)
+        assert torch.equal(y, K.glu_fwd(g, u, act)) and torch.equal(dg, dg0) and torch.equal(du, du0)
