@@ -49,8 +49,10 @@ SCRIPT = textwrap.dedent(
         for act in (G.SILU, G.GELU, G.GELU_TANH):
             comp(G._glu_fwd_elementwise, dict(G=p, U=p, Y=p, stride_g="i32", stride_u="i32", N="i64",
                                              n_col_blocks="i32"), dict(ACT=act, BLOCK=1024), 4)
-            comp(G._glu_bwd_elementwise, dict(DY=p, G=p, U=p, DG=p, DU=p, stride_dy="i32", stride_g="i32",
-                                             stride_u="i32", N="i64", n_col_blocks="i32"), dict(ACT=act, BLOCK=2048), 8)
+            for write_y in (False, True):  # True: the fused down projection's backward also writes h
+                comp(G._glu_bwd_elementwise, dict(DY=p, G=p, U=p, DG=p, DU=p, Y=p, stride_dy="i32", stride_g="i32",
+                                                 stride_u="i32", N="i64", n_col_blocks="i32"),
+                     dict(ACT=act, BLOCK=2048, WRITE_Y=write_y), 8)
     for dt in ("bf16", "fp32"):
         for tile in L._SUM_CONSTS.values():  # every tile the launcher uses (three)
             comp(K._sum_partials, dict(P="*fp32", OUT0="*" + dt, OUT1="*" + dt, n_parts="i32", N="i32",
@@ -82,4 +84,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90():
-    assert_compiles_in_subprocess(SCRIPT, 52)
+    assert_compiles_in_subprocess(SCRIPT, 61)  # 52 + the glu backward with WRITE_Y, 3 activations x 3 dtypes
