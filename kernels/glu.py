@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from . import _flops
 from . import _glu_triton as K
@@ -253,11 +254,14 @@ class GLUDownFunction(torch.autograd.Function):
         return dg, du, dw, db, None
 
 
-#: Whether the patched gated MLPs (:class:`SwiGLUMLP`, :class:`GeGLUMLP`) run the activation and the down
-#: projection as one :class:`GLUDownFunction` in eager training, keeping gate and up but not their product for
-#: the backward. True by default; it applies only where it cannot change what runs otherwise: ``down_proj``
-#: a plain ``nn.Linear`` without hooks, no global module hooks, not under ``torch.compile`` or a dispatch mode
-#: (those take the custom ops), and autocast (if on) computing in gate's dtype. Set False for the unfused form.
+#: Whether the patched gated MLPs (:class:`SwiGLUMLP`, :class:`GeGLUMLP`) keep gate and up but not their product
+#: ``h`` (the down projection's input) for the backward. True by default. In eager training they run the
+#: activation and the down projection as one :class:`GLUDownFunction`, where that cannot change what runs
+#: otherwise: ``down_proj`` a plain ``nn.Linear`` without hooks, no global module hooks, not under a dispatch
+#: mode (that takes the custom ops), and autocast (if on) computing in gate's dtype. Under ``torch.compile``
+#: the activation is traced inside a non-reentrant ``torch.utils.checkpoint`` region, so that AOTAutograd's
+#: partitioner recomputes ``h`` in the backward from the saved gate and up (any ``down_proj``, hooks
+#: included). Set False for the unfused form everywhere.
 RECOMPUTE_DOWN_INPUT = True
 
 
@@ -311,6 +315,10 @@ class _GatedMLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if _fused_down_ok(self.down_proj, gate, up):  # act + down projection without keeping their input
             return GLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self._kind())
+        if RECOMPUTE_DOWN_INPUT and torch.compiler.is_compiling() and needs_grad(gate, up):
+            # the activation as a checkpointed region: AOTAutograd's partitioner then forms h again in the
+            # backward (Inductor fuses that into the activation's gradient) instead of keeping it
+            return self.down_proj(_checkpoint(self._act, gate, up, use_reentrant=False))
         return self.down_proj(self._act(gate, up))
 
 

@@ -211,6 +211,59 @@ def test_fused_down_projection_steps_aside_for_hooks_subclasses_and_frozen_input
     assert not glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))  # nothing to differentiate
 
 
+def _compiled_saves_with_last_dim(fn, n, tokens):
+    """Compile ``fn`` (fullgraph) with AOTAutograd and the min-cut partitioner Inductor uses, run it once, and
+    return (how many (tokens, n) tensors the forward graph hands to the backward, fn's output)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    kept = []
+
+    def fw(gm, example_inputs):
+        out = next(node for node in gm.graph.nodes if node.op == "output").args[0]
+        vals = [a.meta.get("val") for a in out if isinstance(a, torch.fx.Node)]
+        kept.append(sum(1 for v in vals if isinstance(v, torch.Tensor) and v.shape and v.shape[-1] == n
+                        and math.prod(v.shape) == tokens * n))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)()
+    assert len(kept) == 1
+    return kept[0], out
+
+
+@pytest.mark.parametrize("cls, kind", [(SwiGLUMLP, "silu"), (GeGLUMLP, "tanh")])
+def test_compiled_mlp_forms_the_down_projections_input_again_in_the_backward(monkeypatch, cls, kind, gen):
+    """Under torch.compile the activation is a checkpointed region: the partitioner keeps gate and up for the
+    backward, not h = act(gate) * up (without the region it keeps all three, as for Hugging Face's MLP), and
+    output and gradients match the float64 MLP."""
+    torch.manual_seed(0)
+    m = (cls(16, 40, bias=True) if cls is SwiGLUMLP else cls(16, 40, bias=True, approximate="tanh")).to(DEVICE)
+    x = torch.randn(2, 5, 16, generator=gen).to(DEVICE).requires_grad_()
+
+    def run(recompute):
+        monkeypatch.setattr(glu, "RECOMPUTE_DOWN_INPUT", recompute)
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        kept, y = _compiled_saves_with_last_dim(lambda: m(x), 40, 10)
+        dy = torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).view(y.shape)
+        y.backward(dy)
+        return kept, y.detach(), dy
+
+    k0, _, _ = run(False)
+    k1, y, dy = run(True)
+    assert (k0, k1) == (3, 2)
+    yr, w, x64 = _mlp_float64(m, x, kind)
+    yr.backward(dy.double())
+    assert_close(y, yr, torch.float32, "y", scale=10.0)
+    assert_close(x.grad, x64.grad, torch.float32, "dx", scale=10.0)
+    for name, p in m.named_parameters():
+        assert_close(p.grad, w[name].grad, torch.float32, name, scale=10.0)
+
+
 def test_glu_backward_can_also_return_the_forward_output(gen):
     """glu_bwd(..., want_y=True)'s third output is glu_fwd's, bit for bit; the gradients are unchanged."""
     from mfuwatch.kernels import _glu_triton as K
