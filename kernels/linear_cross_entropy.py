@@ -61,7 +61,7 @@ def check_mode(mode, name: str = "mode") -> str:
         return mode
     import difflib
 
-    near = difflib.get_close_matches(str(mode), MODES, n=1)
+    near = difflib.get_close_matches(str(mode).lower(), MODES, n=1)
     hint = f" (did you mean {near[0]!r}?)" if near else ""
     raise ValueError(f"{name}={mode!r}{hint}: expected one of {MODES}")
 
@@ -538,6 +538,9 @@ class LinearCrossEntropyLoss(nn.Module):
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         return linear_cross_entropy(hidden, weight, target, bias, **self.opts)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.opts.items())
 
 
 class _CallableModule(types.ModuleType):

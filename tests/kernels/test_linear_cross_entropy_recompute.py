@@ -113,6 +113,11 @@ def test_mode_is_validated_per_call_module_and_patch():
         LinearCrossEntropyLoss(mode="none")
     with pytest.raises(ValueError, match="lm_head_mode='chunk'.*did you mean 'chunked'"):
         mk.patch(torch.nn.Linear(2, 2), lm_head_mode="chunk")
+    with pytest.raises(ValueError, match="lm_head_mode='RECOMPUTE'.*did you mean 'recompute'"):
+        mk.patch(torch.nn.Linear(2, 2), lm_head_mode="RECOMPUTE")  # the values are lower case; the hint says so
+    assert repr(LinearCrossEntropyLoss(softcap=30.0, mode="recompute")) == (
+        "LinearCrossEntropyLoss(ignore_index=-100, reduction='mean', label_smoothing=0.0, z_loss=0.0, "
+        "softcap=30.0, mode='recompute')")
 
 
 def test_patch_lm_head_mode_recompute_equals_the_unpatched_model(gen):
