@@ -10,6 +10,7 @@ the ``torch.ops.mfuwatch.swiglu``/``geglu`` custom ops under ``torch.compile``
 and dispatch modes) as in :mod:`.rms_norm`.
 """
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -243,21 +244,22 @@ class GLUDownFunction(torch.autograd.Function):
     @first_order_only
     def backward(ctx, dy):
         gate, up, w = ctx.saved_tensors
-        dy = dy.to(w.dtype)
-        i = gate.shape[-1]
-        dh = (dy.reshape(-1, dy.shape[-1]) @ w).view(gate.shape)
+        rows, i = math.prod(gate.shape[:-1]), gate.shape[-1]  # explicit: a 0 hidden or intermediate size
+        d2 = dy.to(w.dtype).reshape(rows, dy.shape[-1])
+        dh = (d2 @ w).view(gate.shape)
         dg, du, h = K.glu_bwd(dh, gate, up, ctx.activation, want_y=True)
         del dh
-        d2 = dy.reshape(-1, dy.shape[-1])
-        dw = (d2.t() @ h.view(-1, i)).to(ctx.dtypes[0]) if ctx.needs_input_grad[2] else None
-        db = d2.sum(0, dtype=torch.float32).to(ctx.dtypes[1]) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        dw = (d2.t() @ h.view(rows, i)).to(ctx.dtypes[0]) if ctx.needs_input_grad[2] else None
+        # the bias gradient summed in the GEMM's dtype, as F.linear's backward sums it (bit for bit the unfused MLP)
+        db = d2.sum(0).to(ctx.dtypes[1]) if ctx.has_bias and ctx.needs_input_grad[3] else None
         return dg, du, dw, db, None
 
 
 #: Whether the patched gated MLPs (:class:`SwiGLUMLP`, :class:`GeGLUMLP`) keep gate and up but not their product
 #: ``h`` (the down projection's input) for the backward. True by default. In eager training they run the
 #: activation and the down projection as one :class:`GLUDownFunction`, where that cannot change what runs
-#: otherwise: ``down_proj`` a plain ``nn.Linear`` without hooks, no global module hooks, not under a dispatch
+#: otherwise: ``down_proj`` a plain ``nn.Linear`` without hooks and with PyTorch's own ``forward`` (not replaced
+#: on the instance, as accelerate's hooks do, nor on the class), no global module hooks, not under a dispatch
 #: mode (that takes the custom ops), and autocast (if on) computing in gate's dtype. Under ``torch.compile``
 #: the activation is traced inside a non-reentrant ``torch.utils.checkpoint`` region, so that AOTAutograd's
 #: partitioner recomputes ``h`` in the backward from the saved gate and up (any ``down_proj``, hooks
@@ -265,10 +267,16 @@ class GLUDownFunction(torch.autograd.Function):
 RECOMPUTE_DOWN_INPUT = True
 
 
+_LINEAR_FORWARD = torch.nn.modules.linear.Linear.forward  # PyTorch's, unless replaced before this import
+if getattr(_LINEAR_FORWARD, "__module__", "") != "torch.nn.modules.linear":
+    _LINEAR_FORWARD = None  # replaced already: the fused form never applies
+
+
 def _fused_down_ok(down: nn.Module, gate: Tensor, up: Tensor) -> bool:
     """Whether :class:`GLUDownFunction` may replace ``down(act(gate, up))`` (:data:`RECOMPUTE_DOWN_INPUT`)."""
-    if not RECOMPUTE_DOWN_INPUT or type(down) is not nn.Linear:
-        return False
+    if not RECOMPUTE_DOWN_INPUT or type(down) is not nn.Linear or "forward" in down.__dict__ \
+            or nn.Linear.forward is not _LINEAR_FORWARD:
+        return False  # a subclass, or a forward replaced on the instance (accelerate's hooks) or on the class
     if down._forward_hooks or down._forward_pre_hooks or down._backward_hooks or down._backward_pre_hooks:
         return False
     mm = nn.modules.module

@@ -163,11 +163,12 @@ def test_fused_down_projection_matches_float64_forward_and_backward(cls, kind, d
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast; the GPU runs the same comparison in the benchmarks")
-def test_fused_down_projection_is_bit_identical_to_the_unfused_mlp_under_autocast(monkeypatch, gen):
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_down_projection_is_bit_identical_to_the_unfused_mlp_under_autocast(monkeypatch, bias, gen):
     """fp32 master weights under bf16 autocast (as the end-to-end training runs): the fused form computes the
-    same ops on the same values, so output and gradients equal the unfused MLP's bit for bit, while autograd
-    keeps one (tokens, intermediate) tensor fewer (the down projection's input)."""
-    m = SwiGLUMLP(32, 48).to(DEVICE)
+    same ops on the same values, so output and gradients (the biases' too) equal the unfused MLP's bit for bit,
+    while autograd keeps one (tokens, intermediate) tensor fewer (the down projection's input)."""
+    m = SwiGLUMLP(32, 48, bias=bias).to(DEVICE)
     x = torch.randn(2, 7, 32, generator=gen).to(DEVICE).requires_grad_()
 
     def run(fused):
@@ -262,6 +263,57 @@ def test_compiled_mlp_forms_the_down_projections_input_again_in_the_backward(mon
     assert_close(x.grad, x64.grad, torch.float32, "dx", scale=10.0)
     for name, p in m.named_parameters():
         assert_close(p.grad, w[name].grad, torch.float32, name, scale=10.0)
+
+
+def test_fused_down_projection_steps_aside_for_a_replaced_forward(monkeypatch, gen):
+    """A down_proj whose forward was replaced, on the instance (as accelerate's add_hook_to_module does) or on
+    nn.Linear itself, is called: the MLP's output is what that forward returns."""
+    import functools
+
+    m = SwiGLUMLP(16, 40).to(DEVICE)
+    x = torch.randn(5, 16, generator=gen).to(DEVICE).requires_grad_()
+    plain = m.down_proj(swiglu(m.gate_proj(x), m.up_proj(x))).detach()
+    original = m.down_proj.forward
+
+    def doubled(mod, inp):
+        return 2 * original(inp)
+
+    m.down_proj.forward = functools.partial(doubled, m.down_proj)
+    assert not glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))
+    assert torch.equal(m(x).detach(), 2 * plain)
+    del m.down_proj.forward
+    assert glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))
+    linear_forward = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda mod, inp: 3 * linear_forward(mod, inp))
+    assert not glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))
+    monkeypatch.undo()
+    assert torch.equal(m(x).detach(), plain)  # unpatched again: the fused form, the same output
+
+
+@pytest.mark.parametrize("hidden, inter", [(0, 8), (8, 0)])
+def test_fused_down_projection_with_an_empty_hidden_or_intermediate_size(monkeypatch, hidden, inter, gen):
+    """A 0 hidden or intermediate size: the output and every gradient are those of the unfused MLP (empty, or
+    zeros where the sum over the empty size is empty), no error."""
+    torch.manual_seed(0)
+    m = SwiGLUMLP(hidden, inter, bias=True).to(DEVICE)
+    x = torch.randn(3, 4, hidden, generator=gen).to(DEVICE).requires_grad_()
+    assert glu._fused_down_ok(m.down_proj, m.gate_proj(x), m.up_proj(x))
+
+    def run(fused):
+        monkeypatch.setattr(glu, "RECOMPUTE_DOWN_INPUT", fused)
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        y = m(x)
+        (y * torch.arange(y.numel(), dtype=y.dtype, device=y.device).view(y.shape)).sum().backward()
+        return y.detach(), x.grad, [p.grad for p in m.parameters()]
+
+    y1, dx1, g1 = run(True)
+    y0, dx0, g0 = run(False)
+    assert y1.shape == (3, 4, hidden) and torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert all(a.shape == p.shape and torch.equal(a, b) for a, b, p in zip(g1, g0, m.parameters()))
+    if inter == 0:  # y is the down projection's bias alone: its gradient is the upstream one summed over rows
+        assert torch.equal(m.down_proj.bias.grad, torch.arange(12 * hidden, dtype=torch.float32).view(12, hidden)
+                           .sum(0).to(DEVICE))
 
 
 def test_glu_backward_can_also_return_the_forward_output(gen):
