@@ -236,11 +236,17 @@ def _compiled_saves_with_last_dim(fn, n, tokens):
     return kept[0], out
 
 
+@pytest.mark.parametrize("decompose", [True, False], ids=["pytorch-ops", "custom-ops"])
 @pytest.mark.parametrize("cls, kind", [(SwiGLUMLP, "silu"), (GeGLUMLP, "tanh")])
-def test_compiled_mlp_forms_the_down_projections_input_again_in_the_backward(monkeypatch, cls, kind, gen):
+def test_compiled_mlp_forms_the_down_projections_input_again_in_the_backward(monkeypatch, cls, kind, decompose,
+                                                                              gen):
     """Under torch.compile the activation is a checkpointed region: the partitioner keeps gate and up for the
     backward, not h = act(gate) * up (without the region it keeps all three, as for Hugging Face's MLP), and
-    output and gradients match the float64 MLP."""
+    output and gradients match the float64 MLP; with the activation written out in PyTorch ops (the default)
+    and as the custom op (MFUWATCH_KERNELS_COMPILE_DECOMPOSE=0)."""
+    from mfuwatch.kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "COMPILE_DECOMPOSE", decompose)
     torch.manual_seed(0)
     m = (cls(16, 40, bias=True) if cls is SwiGLUMLP else cls(16, 40, bias=True, approximate="tanh")).to(DEVICE)
     x = torch.randn(2, 5, 16, generator=gen).to(DEVICE).requires_grad_()
