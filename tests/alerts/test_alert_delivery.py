@@ -105,7 +105,9 @@ def test_5xx_then_200_delivers_once_after_recovery(receiver, monkeypatch):
     assert receiver.wait_for_delivered(3, timeout=20)
     assert worker.close(time.monotonic() + 5)
     assert [r.status for r in receiver.received] == [500, 502, 503, 200, 200, 200]
-    assert summaries(receiver) == ["n0", "n1", "n2"]
+    # each delivered once; the order of the retries is timing-dependent: the last group to fail waits for its
+    # retry in place when no parked group is due yet (within 10 ms of their failures), else parks behind them
+    assert sorted(summaries(receiver)) == ["n0", "n1", "n2"]
     # each group is tried before any is retried: a group waiting for its retry does not hold the others back
     assert [r.json["alerts"][0]["annotations"]["summary"] for r in receiver.received[:3]] == ["n0", "n1", "n2"]
     assert counts[("webhook", "sent")] == 3 and counts[("webhook", "retry")] == 3
