@@ -325,7 +325,7 @@ class _GatedMLP(nn.Module):
             return GLUDownFunction.apply(gate, up, self.down_proj.weight, self.down_proj.bias, self._kind())
         if RECOMPUTE_DOWN_INPUT and torch.compiler.is_compiling() and needs_grad(gate, up):
             # the activation as a checkpointed region: AOTAutograd's partitioner then forms h again in the
-            # backward (Inductor fuses that into the activation's gradient) instead of keeping it
+            # backward instead of keeping it (docs/benchmarks.md, issue 27 run 12: same step time on the H200)
             return self.down_proj(_checkpoint(self._act, gate, up, use_reentrant=False))
         return self.down_proj(self._act(gate, up))
 
