@@ -330,8 +330,9 @@ RC_TILES = [None, (4096, 4096), (2048, 8192), (8192, 2048), (4096, 2048), (2048,
 def recompute_sweep() -> str:
     """Linear CE mode='recompute' per tile shape (None: the chooser's) at 8192 x 4096 x 128256 bf16, forward alone
     and forward + backward, two interleaved rounds, with GiB above inputs and gradients, and the fastest shape
-    named; the chooser's shape is set again afterwards (``TILE = None``). Then both modes as the HF end to end runs them (fp32 hidden 8192 x 2048 and fp32 weight under bf16
-    autocast): ms and GiB above inputs and gradients."""
+    named; the chooser's shape is set again afterwards (``TILE = None``). Then both modes as the HF end to end
+    runs them (fp32 hidden 8192 x 2048 and fp32 weight under bf16 autocast): ms and GiB above inputs and
+    gradients."""
     import importlib
 
     R = importlib.import_module("mfuwatch.kernels._lce_recompute")

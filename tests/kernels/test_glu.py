@@ -126,9 +126,14 @@ def _mlp_float64(m, x, kind):
     return y, w, x64
 
 
+def _count_activations(shapes, n, tokens):
+    """How many of ``shapes`` are (tokens, n) activations (any leading shape; weights, kept as they are or
+    transposed, have other sizes)."""
+    return sum(1 for s in shapes if s and s[-1] == n and math.prod(s) == tokens * n)
+
+
 def _saved_with_last_dim(fn, n, tokens):
-    """How many (tokens, n) activations autograd saves during ``fn()`` (any leading shape; weights, saved as
-    they are or transposed, have other sizes)."""
+    """How many (tokens, n) activations autograd saves during ``fn()``, and fn's output."""
     shapes = []
 
     def pack(t):
@@ -137,7 +142,7 @@ def _saved_with_last_dim(fn, n, tokens):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return sum(1 for s in shapes if s and s[-1] == n and math.prod(s) == tokens * n), out
+    return _count_activations(shapes, n, tokens), out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -224,8 +229,7 @@ def _compiled_saves_with_last_dim(fn, n, tokens):
     def fw(gm, example_inputs):
         out = next(node for node in gm.graph.nodes if node.op == "output").args[0]
         vals = [a.meta.get("val") for a in out if isinstance(a, torch.fx.Node)]
-        kept.append(sum(1 for v in vals if isinstance(v, torch.Tensor) and v.shape and v.shape[-1] == n
-                        and math.prod(v.shape) == tokens * n))
+        kept.append(_count_activations([tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)], n, tokens))
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward),
