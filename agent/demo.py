@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -113,10 +114,28 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _device(text: str) -> str:
+    """``--device``'s value, checked against this machine: "cpu", "cuda" or "cuda:N" (0 <= N < the CUDA device
+    count); cuda needs ``torch.cuda.is_available()``. Raises argparse.ArgumentTypeError otherwise (argparse
+    then prints it under the option's name and exits with status 2)."""
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N a CUDA device index), got {text!r}")
+    if text == "cpu":
+        return text
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch sees no CUDA device (torch.cuda.is_available() is "
+                                         "False); expected cpu, cuda or cuda:N, and here only cpu works")
+    n = torch.cuda.device_count()
+    if ":" in text and int(text.split(":")[1]) >= n:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {n} CUDA device(s); expected cpu, cuda or "
+                                         f"cuda:N with N in cuda:0..cuda:{n - 1}")
+    return text
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfuwatch demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=_positive_int, default=600, help="optimizer steps (default 600: ~1.5 min on a 2-core CPU)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="model preset (default: gpu on CUDA, cpu otherwise)")
     p.add_argument("--batch", type=_positive_int, default=None, help="sequences per micro-batch (default: the preset's)")
@@ -163,13 +182,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if a.quiet:
         # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    try:
-        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as exc:
-        raise DemoError(f"--device: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DemoError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); "
-                        "use --device cpu")
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # a.device: checked by _device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
     if device.type == "cuda":

@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
-from mfuwatch.agent.demo import main
+import pytest
+import torch
+
+from mfuwatch.agent.demo import _parse, main
 
 ARGS = ["--device", "cpu", "--port", "0", "--report", "", "--batch", "4", "--seq", "32", "--log-every", "1"]
 
@@ -70,3 +73,36 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["interrupted"] is True
     assert summary["agent_errors"].get("profiler", 0) == 0  # the analysis child was not killed by the SIGINT
+
+
+@pytest.mark.parametrize("value", ["meta", "tpu", "cuda:x", "cuda:-1", "CPU", "cpu:0", ""])
+def test_an_unsupported_device_is_a_usage_error_naming_the_option(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--device", value, "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device" in err and "cpu, cuda or cuda:N" in err
+    assert "Traceback" not in err and "Expected one of" not in err  # not torch's whole device list
+
+
+def test_cuda_is_refused_when_torch_sees_no_cuda_device(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for value in ("cuda", "cuda:0"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--device", value, "--steps", "1"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --device" in err and "torch.cuda.is_available() is False" in err and "cpu" in err
+
+
+def test_a_cuda_index_past_the_device_count_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _parse(["--device", "cuda:1"]).device == "cuda:1"
+    assert _parse(["--device", "cuda"]).device == "cuda"
+    with pytest.raises(SystemExit) as exc:
+        _parse(["--device", "cuda:2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device" in err and "cuda:0..cuda:1" in err
+    assert _parse(["--device", "cpu"]).device == "cpu"
