@@ -179,9 +179,10 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     except ValueError as exc:
         raise DemoError(str(exc)) from None
     con = Console(quiet=a.quiet or rank != 0, highlight=False)
-    if a.quiet:
-        # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels.
+    # The demo owns its process, so it silences them unless the user chose a level; Kineto reads the variable
+    # when the first profiler window initialises it, which is after this line.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # a.device: checked by _device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())

@@ -106,3 +106,27 @@ def test_a_cuda_index_past_the_device_count_is_refused(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "argument --device" in err and "cuda:0..cuda:1" in err
     assert _parse(["--device", "cpu"]).device == "cpu"
+
+
+def test_without_quiet_the_profiler_windows_print_no_kineto_lines(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MFUWATCH_CONFIG": ""}
+    env.pop("KINETO_LOG_LEVEL", None)
+    cmd = [sys.executable, "-m", "mfuwatch.agent.cli", "demo", *ARGS, "--steps", "8", "--profile-every", "3 steps",
+           "--timeline", str(tmp_path / "t.jsonl")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step     8" in out.stdout  # not quiet: the progress lines are there
+    assert any(r["kind"] == "window" for r in _records(tmp_path / "t.jsonl"))  # a window was recorded
+    both = out.stdout + out.stderr
+    assert "USDT" not in both and "profiler_start" not in both and "profiler_stop" not in both
+
+
+def test_kineto_log_level_is_set_unless_the_user_set_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    run = ARGS + ["--steps", "1", "--profile-every", "off", "--timeline", ""]
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)  # restored at teardown
+    assert main(run) == 0
+    assert os.environ["KINETO_LOG_LEVEL"] == "6"  # above Kineto's levels: its info lines are off
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "0")
+    assert main(run) == 0
+    assert os.environ["KINETO_LOG_LEVEL"] == "0"  # the user's choice stands
