@@ -23,7 +23,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,11 @@ def _device(text: str) -> str:
     return text
 
 
+#: the demo's own defaults of two agent settings, used where neither the command line nor the config file sets them
+DEFAULT_TIMELINE = "mfuwatch-demo/timeline.jsonl"
+DEFAULT_PROFILE_EVERY = "50 steps"
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfuwatch demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=_positive_int, default=600, help="optimizer steps (default 600: ~1.5 min on a 2-core CPU)")
@@ -147,10 +152,13 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--run-name", "--run", dest="run", default=None,
                    help="run label (default: the config's run, else $MFUWATCH_RUN, else a name shared by the job's ranks); "
                         "under torchrun spell it --run-name (torchrun claims --run)")
-    p.add_argument("--timeline", default="mfuwatch-demo/timeline.jsonl", help="JSONL timeline path ('' = none)")
+    p.add_argument("--timeline", default=None,
+                   help=f"JSONL timeline path ('' = none; default: the config's timeline, else {DEFAULT_TIMELINE})")
     p.add_argument("--report", default="mfuwatch-demo/report.html", help="HTML report written at the end ('' = none)")
     p.add_argument("--summary-json", default=None, help="write the run summary as JSON here")
-    p.add_argument("--profile-every", default="50 steps", help="profiler window cadence ('off' to disable)")
+    p.add_argument("--profile-every", default=None,
+                   help=f"profiler window cadence ('off' to disable; default: the config's profile_every, "
+                        f"else {DEFAULT_PROFILE_EVERY})")
     p.add_argument("--patch-kernels", action="store_true", help="swap in mfuwatch.kernels' fused drop-ins")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--log-every", type=_positive_int, default=10, help="print progress every N steps")
@@ -159,31 +167,72 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_overrides(a: argparse.Namespace, user: Mapping[str, Any], *, shape: DemoShape,
+                     device_type: str) -> Tuple[Dict[str, Any], List[str]]:
+    """The agent settings the demo lays over the user's config ``user`` (:func:`~.config.user_settings`' mapping),
+    and one note per value of ``user`` that the demo replaces.
+
+    Per setting: an option given on the command line (``a``, from :func:`_parse`: None = not given) > the
+    config file > the demo's default (:data:`DEFAULT_TIMELINE`, :data:`DEFAULT_PROFILE_EVERY`, ``calibrate``
+    off CUDA). Two settings are the demo's own facts and replace the file's, each with a note when the file
+    says otherwise: ``model_shape`` (the demo's model) and ``progress`` (False: the demo prints its own lines).
+    """
+    over: Dict[str, Any] = {}
+    notes: List[str] = []
+    for key, given, default in (("timeline", a.timeline, DEFAULT_TIMELINE),
+                                ("profile_every", a.profile_every, DEFAULT_PROFILE_EVERY),
+                                ("run", a.run or None, None), ("port", a.port, None)):
+        if given is not None:
+            over[key] = None if (key == "timeline" and not given) else given
+        elif key not in user and default is not None:
+            over[key] = default
+    if device_type != "cuda" and "calibrate" not in user:
+        over["calibrate"] = True  # no datasheet peak for a CPU: measure a matmul
+    over["model_shape"] = {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq}
+    if user.get("model_shape") is not None:
+        notes.append(f"config: model_shape {user['model_shape']} is replaced by the demo model's {over['model_shape']}")
+    over["progress"] = False  # the demo prints its own progress lines (and --quiet silences them)
+    if user.get("progress", False) is not False:
+        notes.append(f"config: progress: {user['progress']} is not used: the demo prints its own progress lines")
+    return over, notes
+
+
 def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the demo; returns the summary dict (also written to ``--summary-json``)."""
     from rich.console import Console
     from rich.table import Table
 
+    from .config import load_config, user_settings
     from .core import Agent
     from .distributed import rank_from_env
 
     a = _parse(argv)
+    try:
+        rank, local_rank, world = rank_from_env()
+    except ValueError as exc:
+        raise DemoError(str(exc)) from None
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # a.device: checked by _device
+    preset = a.model or ("gpu" if device.type == "cuda" else "cpu")
+    shape = PRESETS[preset]
+    shape = DemoShape(**{**shape.__dict__, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})})
+    user = user_settings(a.config)  # the file (or $MFUWATCH_CONFIG's), as the user wrote it
+    overrides, notes = config_overrides(a, user, shape=shape, device_type=device.type)
+    cfg = load_config(user, **overrides)
+    timeline_ours = "timeline" in overrides  # the demo's or the command line's path, not the file's
+    a.timeline = cfg.timeline or ""  # the file's "{rank}" replaced by the rank
     if a.report and a.timeline:
         from .report import missing_dependency
 
         missing = missing_dependency()
         if missing:
             raise DemoError(f"{missing} (or pass --report '' to run without the report)")
-    try:
-        rank, local_rank, world = rank_from_env()
-    except ValueError as exc:
-        raise DemoError(str(exc)) from None
     con = Console(quiet=a.quiet or rank != 0, highlight=False)
     # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels.
     # The demo owns its process, so it silences them unless the user chose a level; Kineto reads the variable
     # when the first profiler window initialises it, which is after this line.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # a.device: checked by _device
+    for note in notes:
+        con.print(f"[yellow]{note}[/]")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
     if device.type == "cuda":
@@ -193,9 +242,6 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    preset = a.model or ("gpu" if device.type == "cuda" else "cpu")
-    shape = PRESETS[preset]
-    shape = DemoShape(**{**shape.__dict__, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})})
     torch.manual_seed(a.seed)
     data = load_stdlib_text()
     batches = ByteBatches(data, shape.batch, shape.seq, device, seed=a.seed + rank)
@@ -217,25 +263,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     fwd = torch.compile(fwd) if a.compile else fwd
     amp = device.type == "cuda"
 
-    overrides: Dict[str, Any] = {
-        "timeline": a.timeline or None,
-        "profile_every": a.profile_every,
-        "model_shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq},
-        "progress": False,  # the demo prints its own progress lines (and --quiet silences them)
-    }
-    if a.run:  # else the config's run, or its default name ($MFUWATCH_RUN, else one name for all ranks)
-        overrides["run"] = a.run
-    if a.port is not None:
-        overrides["port"] = a.port
-    if device.type != "cuda":
-        overrides["calibrate"] = True  # no datasheet peak for a CPU: measure a matmul
-    from .config import load_config
-
-    cfg = load_config(a.config, **overrides)
-    if a.timeline and world > 1:  # one timeline per rank
+    if a.timeline and world > 1 and timeline_ours:  # one timeline per rank (a file's path says "{rank}" itself)
         stem = Path(a.timeline)
         a.timeline = str(stem.with_name(f"{stem.stem}.rank{rank}{stem.suffix}"))
-        overrides["timeline"] = a.timeline
         cfg.timeline = a.timeline
     if a.timeline:  # appended to, as every timeline (the report shows the file's last run)
         Path(a.timeline).parent.mkdir(parents=True, exist_ok=True)

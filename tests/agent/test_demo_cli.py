@@ -130,3 +130,62 @@ def test_kineto_log_level_is_set_unless_the_user_set_it(tmp_path, monkeypatch):
     monkeypatch.setenv("KINETO_LOG_LEVEL", "0")
     assert main(run) == 0
     assert os.environ["KINETO_LOG_LEVEL"] == "0"  # the user's choice stands
+
+
+def test_the_config_files_values_win_over_the_demos_defaults(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    tl = tmp_path / "mytl.jsonl"
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text(f'profile_every: "off"\ntimeline: {tl}\nprogress: true\nreport_every_steps: 2\n')
+    monkeypatch.chdir(tmp_path)  # the demo's default timeline would land here
+    assert main(["--device", "cpu", "--port", "0", "--report", "", "--batch", "4", "--seq", "32", "--steps", "4",
+                 "--config", str(cfg), "--summary-json", str(tmp_path / "s.json")]) == 0
+    recs = _records(tl)
+    assert [r["step"] for r in recs if r["kind"] == "step"] == [2, 4]  # the file's timeline and report interval
+    assert not any(r["kind"] == "window" for r in recs)  # profile_every "off": no profiler window
+    assert not (tmp_path / "mfuwatch-demo").exists()  # the demo's default timeline was not written
+    assert json.loads((tmp_path / "s.json").read_text())["timeline"] == str(tl)
+    out = capsys.readouterr().out
+    # the demo prints its own progress lines: the file's `progress: true` is overridden, and it says so
+    assert "config: progress: True is not used: the demo prints its own progress lines" in out
+
+
+def test_command_line_options_win_over_the_config_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text(f'profile_every: "off"\ntimeline: {tmp_path / "file.jsonl"}\nreport_every_steps: 2\n')
+    tl = tmp_path / "cli.jsonl"
+    assert main(["--device", "cpu", "--port", "0", "--report", "", "--batch", "4", "--seq", "32", "--steps", "7",
+                 "--config", str(cfg), "--timeline", str(tl), "--profile-every", "3 steps"]) == 0
+    assert not (tmp_path / "file.jsonl").exists()
+    windows = [r for r in _records(tl) if r["kind"] == "window"]
+    assert [w["step"] for w in windows] == [7]  # 3 steps: a window at step 3 (1 warm-up + 3 recorded: 4..7)
+
+
+def test_demo_defaults_apply_where_the_config_file_is_silent():
+    from mfuwatch.agent.demo import PRESETS, config_overrides
+
+    shape = PRESETS["cpu"]
+    over, notes = config_overrides(_parse([]), {}, shape=shape, device_type="cpu")
+    assert over == {"timeline": "mfuwatch-demo/timeline.jsonl", "profile_every": "50 steps", "calibrate": True,
+                    "progress": False,
+                    "model_shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq}}
+    assert notes == []
+    user = {"timeline": None, "profile_every": 7, "calibrate": False, "port": 1234, "run": "r",
+            "model_shape": {"n_layers": 1, "d_model": 8}, "progress": False}
+    over, notes = config_overrides(_parse([]), user, shape=shape, device_type="cpu")
+    assert set(over) == {"progress", "model_shape"}  # only the demo's own facts; no note for progress: false
+    assert notes == ["config: model_shape {'n_layers': 1, 'd_model': 8} is replaced by the demo model's "
+                     f"{over['model_shape']}"]
+    cli = _parse(["--timeline", "", "--profile-every", "off", "--port", "0", "--run-name", "x"])
+    over, _ = config_overrides(cli, user, shape=shape, device_type="cuda")
+    assert (over["timeline"], over["profile_every"], over["port"], over["run"]) == (None, "off", 0, "x")
+    assert "calibrate" not in over  # a GPU has a datasheet peak
+
+
+def test_help_shows_the_defaults_of_timeline_and_profile_every(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "profile_every, else 50 steps)" in text and "timeline, else mfuwatch-demo/timeline.jsonl)" in text
