@@ -216,6 +216,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     shape = PRESETS[preset]
     shape = DemoShape(**{**shape.__dict__, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})})
     user = user_settings(a.config)  # the file (or $MFUWATCH_CONFIG's), as the user wrote it
+    if user:
+        load_config(user)  # every value the user wrote is checked, also those the demo replaces (ConfigError)
     overrides, notes = config_overrides(a, user, shape=shape, device_type=device.type)
     cfg = load_config(user, **overrides)
     timeline_ours = "timeline" in overrides  # the demo's or the command line's path, not the file's

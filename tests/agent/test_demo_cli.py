@@ -183,6 +183,19 @@ def test_demo_defaults_apply_where_the_config_file_is_silent():
     assert "calibrate" not in over  # a GPU has a datasheet peak
 
 
+@pytest.mark.parametrize("text, field", [("progress: maybe\n", "progress"), ("model_shape: 3\n", "model_shape"),
+                                         ("timeline: 5\n", "timeline"), ("proflie_every: off\n", "proflie_every")])
+def test_every_value_of_the_config_file_is_validated(text, field, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text(text)
+    assert main(["--device", "cpu", "--port", "0", "--report", "", "--steps", "1", "--config", str(cfg),
+                 "--timeline", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mfuwatch demo: {field}: ")
+    assert not (tmp_path / "t.jsonl").exists()  # refused before training
+
+
 def test_help_shows_the_defaults_of_timeline_and_profile_every(capsys):
     with pytest.raises(SystemExit) as exc:
         _parse(["--help"])
