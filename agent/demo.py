@@ -197,6 +197,22 @@ def config_overrides(a: argparse.Namespace, user: Mapping[str, Any], *, shape: D
     return over, notes
 
 
+def peak_line(info: Any, calibrate: bool, chosen: bool = False) -> str:
+    """The demo's one line about the MFU denominator, from the agent's ``RunInfo`` ``info``.
+
+    The agent chooses the peak when the training dtype is known: at start-up for a ``peak_flops`` or a
+    configured ``dtype``, else at the first forward (a ``calibrate`` matmul measured then, in that dtype, or
+    the GPU's datasheet row). ``chosen``: the first forward has run. Returns the peak in FLOP/s and its source
+    once set, else what it waits for (before the first forward) or that MFU is not reported (after it).
+    """
+    if info.peak_flops_per_second:
+        return f"peak: {info.peak_flops_per_second:.3g} FLOP/s ({info.peak_source})"
+    if not chosen:
+        how = "a matmul calibration in the training dtype" if calibrate else "the datasheet row for the training dtype"
+        return f"peak: not known yet: {how} at the first forward (printed after step 1)"
+    return "peak: unknown: MFU is not reported (set peak_flops or calibrate: true in --config)"
+
+
 def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the demo; returns the summary dict (also written to ``--summary-json``)."""
     from rich.console import Console
@@ -280,7 +296,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     interrupted = False
     with Agent(fwd, opt, config=cfg) as agent:  # hooks on what the loop calls (DDP / compiled wrapper)
         con.print(f"exporter: {agent.exporter_url or '(off)'}")
-        con.print(f"peak: {agent.run_info.peak_flops_per_second or 0:.3g} FLOP/s ({agent.run_info.peak_source or 'unknown'})")
+        con.print(peak_line(agent.run_info, cfg.calibrate))
+        peak_said = bool(agent.run_info.peak_flops_per_second)
         last_m = None
         step = 0
         try:
@@ -295,6 +312,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if not peak_said:  # the first forward chose the peak (measured it, for a calibration)
+                con.print(peak_line(agent.run_info, cfg.calibrate, chosen=True))
+                peak_said = True
             if step % a.log_every == 0 or step == 1 or step == a.steps:
                 lv = loss.item() * a.grad_accum  # host-device sync, once per log interval
                 losses.append(lv)
