@@ -7,8 +7,9 @@ that is on every machine with no download. On a GPU it trains in bf16 autocast;
 on the CPU in fp32 with the peak measured by a matmul calibration.
 
 Run: ``mfuwatch demo --steps 200`` (or ``make demo``). Live progress shows step,
-loss, tokens/s and MFU; the exporter serves on 127.0.0.1; at the end a summary
-table, an optional ``--summary-json`` and an HTML report are written.
+loss, tokens/s and MFU (``(profiler window)`` marks a report whose steps a profiler
+window slowed); the exporter serves on 127.0.0.1; at the end a summary table, an
+optional ``--summary-json`` and an HTML report are written.
 """
 
 from __future__ import annotations
@@ -197,6 +198,17 @@ def config_overrides(a: argparse.Namespace, user: Mapping[str, Any], *, shape: D
     return over, notes
 
 
+def in_profiler_window(m: Any, sampler: Any) -> bool:
+    """Whether the steps of report ``m`` (a ``StepMeasurement``: steps ``m.step - m.steps + 1 .. m.step``) were
+    timed with a profiler window in them (``sampler``: the agent's ``ProfilerSampler``, None without windows).
+    Such a report's step time includes the profiler's overhead, so its MFU reads low."""
+    return sampler is not None and sampler.profiled(m.step - m.steps + 1, m.step)
+
+
+def _mean(values: List[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
 def peak_line(info: Any, calibrate: bool, chosen: bool = False) -> str:
     """The demo's one line about the MFU denominator, from the agent's ``RunInfo`` ``info``.
 
@@ -290,7 +302,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     con.print(f"[bold]mfuwatch demo[/]: {preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, "
               f"{shape.batch}x{shape.seq} tokens x {a.grad_accum} micro-batches per step, device {device}")
     losses: List[float] = []
-    mfus: List[float] = []
+    mfus: List[float] = []  # MFU of each report the progress lines showed
+    mfus_outside: List[float] = []  # ... of those not timed with a profiler window in them
     tps: List[float] = []
     t0 = time.time()
     interrupted = False
@@ -324,12 +337,15 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     tps.append(m.tokens_per_second)
                     if m.mfu is not None:
                         mfus.append(m.mfu)
+                        if not in_profiler_window(m, agent.profiler):
+                            mfus_outside.append(m.mfu)
                 if m is None:
                     con.print(f"step {step:5d}  loss {lv:6.3f}  (first measurement after {cfg.report_every_steps} steps)")
                 else:
                     mfu_s = f"{m.mfu:6.1%}" if m.mfu is not None else "   n/a"
+                    window = "  (profiler window)" if in_profiler_window(m, agent.profiler) else ""
                     con.print(f"step {step:5d}  loss {lv:6.3f}  tokens/s {m.tokens_per_second:10.0f}  MFU {mfu_s}"
-                              f"  (to step {m.step})")
+                              f"  (to step {m.step}){window}")
         except KeyboardInterrupt:  # Ctrl-C: stop training, still flush, summarise and write the report
             con.print(f"[yellow]interrupted at step {step}: finishing the summary[/]")
             a.steps = max(step - 1, 0)
@@ -341,8 +357,10 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     summary = {
         "steps": a.steps, "device": str(device), "model": preset,
         "initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "mean_mfu": (sum(mfus) / len(mfus)) if mfus else None,
-        "mean_tokens_per_second": (sum(tps) / len(tps)) if tps else None,
+        # means over the reports the progress lines showed; the agent's metrics keep every report as measured
+        "mean_mfu": _mean(mfus),  # profiler windows included: their steps run slower under the profiler
+        "mean_mfu_outside_profiler_windows": _mean(mfus_outside),
+        "mean_tokens_per_second": _mean(tps),
         "peak_flops_per_second": info.peak_flops_per_second, "peak_source": info.peak_source,
         "flops_source": info.flops_source, "dtype": info.dtype,
         "exporter_url": agent.exporter_url, "timeline": a.timeline or None, "elapsed_seconds": elapsed,
@@ -366,10 +384,15 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     t.add_column("measure")
     t.add_column("value", justify="right")
     fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-    summary_view = dict(summary, mean_mfu=f"{summary['mean_mfu']:.1%}" if summary["mean_mfu"] is not None else None)
-    for k in ("steps", "device", "initial_loss", "final_loss", "mean_mfu", "mean_tokens_per_second",
-              "peak_flops_per_second", "peak_source", "flops_source", "exporter_url", "elapsed_seconds"):
-        t.add_row(k, fmt(summary_view[k]))
+    pct = lambda v: None if v is None else f"{v:.1%}"  # noqa: E731
+    summary_view = dict(summary, mean_mfu=pct(summary["mean_mfu"]),
+                        mean_mfu_outside_profiler_windows=pct(summary["mean_mfu_outside_profiler_windows"]))
+    labels = {"mean_mfu": "mean_mfu (shown intervals, profiler windows included)",
+              "mean_mfu_outside_profiler_windows": "mean_mfu (shown intervals outside profiler windows)"}
+    for k in ("steps", "device", "initial_loss", "final_loss", "mean_mfu", "mean_mfu_outside_profiler_windows",
+              "mean_tokens_per_second", "peak_flops_per_second", "peak_source", "flops_source", "exporter_url",
+              "elapsed_seconds"):
+        t.add_row(labels.get(k, k), fmt(summary_view[k]))
     if w is not None:
         t.add_row("memory-bound share (last window)", f"{w.memory_bound_share:.1%}")
     if summary.get("report"):

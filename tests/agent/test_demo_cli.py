@@ -227,3 +227,52 @@ def test_the_demo_prints_the_calibrated_peak_once_known(tmp_path, monkeypatch, c
     assert lines[0].startswith("peak: not known yet: a matmul calibration")  # before the first forward
     assert lines[1] == f"peak: {summary['peak_flops_per_second']:.3g} FLOP/s (calibrated (fp32 matmul))"
     assert summary["peak_flops_per_second"] > 0 and len(lines) == 2
+
+
+def test_progress_lines_of_a_profiler_window_are_labelled_and_the_means_say_what_they_cover(tmp_path, monkeypatch,
+                                                                                              capsys):
+    import re
+
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    monkeypatch.setenv("COLUMNS", "200")
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text("report_every_steps: 2\n")
+    s = tmp_path / "s.json"
+    # the preset's batch (16 x 128): 2-step intervals outlast the agent's 0.2 s poll, so most are shown
+    assert main(ARGS + ["--batch", "16", "--seq", "128", "--steps", "16", "--profile-every", "6 steps", "--timeline",
+                        str(tmp_path / "t.jsonl"), "--config", str(cfg), "--summary-json", str(s)]) == 0
+    out = capsys.readouterr().out
+    seen = {}  # interval end step -> (MFU, labelled)
+    for line in out.splitlines():
+        m = re.search(r"MFU\s+([0-9.]+)%\s+\(to step (\d+)\)", line)
+        if m:
+            seen[int(m.group(2))] = (float(m.group(1)) / 100, "(profiler window)" in line)
+    # the window starts at boundary 6: warm-up step 7, recorded steps 8-10, step 11 carries the export;
+    # 2-step intervals end at even steps, so those to steps 8, 10 and 12 are timed with the window in them
+    # (which intervals are shown depends on the agent thread's timing: the label is checked on each one shown)
+    assert seen and {k for k, (_, lab) in seen.items() if lab} == {8, 10, 12} & set(seen)
+    summary = json.loads(s.read_text())
+    outside = [v for v, lab in seen.values() if not lab]
+    assert summary["mean_mfu"] == pytest.approx(sum(v for v, _ in seen.values()) / len(seen), abs=0.001)
+    assert summary["mean_mfu_outside_profiler_windows"] == (
+        pytest.approx(sum(outside) / len(outside), abs=0.001) if outside else None)
+    assert re.search(r"mean_mfu \(shown intervals, profiler windows included\)\s+│\s+[0-9.]+%", out)
+    assert re.search(r"mean_mfu \(shown intervals outside profiler windows\)\s+│\s+[0-9.]+%", out)
+
+
+def test_a_report_is_in_a_profiler_window_when_one_of_its_steps_is():
+    from mfuwatch.agent.demo import in_profiler_window
+    from mfuwatch.agent.live.profiler import ProfilerSampler
+    from mfuwatch.agent.schema import StepMeasurement
+
+    sampler = ProfilerSampler(every_steps=50, device="cpu", on_window=print, on_error=print)
+    sampler.profiled_steps.extend([[51, 55], [105, None]])  # the second window still records
+
+    def report(step, steps=10):
+        return StepMeasurement(step=step, steps=steps, timestamp=0.0, step_time_seconds=0.1, tokens=1,
+                               tokens_per_second=1.0, model_flops=1.0, hardware_flops=1.0, model_flops_per_second=1.0)
+
+    # report(k) covers steps k-9..k: 51..60 and 46..55 meet the first window, 56..65 does not; 101..110 the second
+    assert [in_profiler_window(report(k), sampler) for k in (50, 55, 60, 65, 100, 110)] == [
+        False, True, True, False, False, True]
+    assert in_profiler_window(report(60), None) is False  # no windows
