@@ -395,6 +395,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         t.add_row(labels.get(k, k), fmt(summary_view[k]))
     if w is not None:
         t.add_row("memory-bound share (last window)", f"{w.memory_bound_share:.1%}")
+    if summary["timeline"]:
+        t.add_row("timeline", summary["timeline"])
     if summary.get("report"):
         t.add_row("report", summary["report"])
     con.print(t)

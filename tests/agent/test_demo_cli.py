@@ -276,3 +276,15 @@ def test_a_report_is_in_a_profiler_window_when_one_of_its_steps_is():
     assert [in_profiler_window(report(k), sampler) for k in (50, 55, 60, 65, 100, 110)] == [
         False, True, True, False, False, True]
     assert in_profiler_window(report(60), None) is False  # no windows
+
+
+def test_the_summary_table_names_the_timeline_written(tmp_path, monkeypatch, capsys):
+    import re
+
+    monkeypatch.setenv("MFUWATCH_CONFIG", "")
+    monkeypatch.setenv("COLUMNS", "300")
+    tl = tmp_path / "t.jsonl"
+    assert main(ARGS + ["--steps", "1", "--profile-every", "off", "--timeline", str(tl)]) == 0
+    assert re.search(rf"│ timeline\s+│\s+{re.escape(str(tl))} │", capsys.readouterr().out)
+    assert main(ARGS + ["--steps", "1", "--profile-every", "off", "--timeline", ""]) == 0
+    assert "│ timeline" not in capsys.readouterr().out  # none written, none named
