@@ -220,8 +220,9 @@ def peak_line(info: Any, calibrate: bool, chosen: bool = False) -> str:
     if info.peak_flops_per_second:
         return f"peak: {info.peak_flops_per_second:.3g} FLOP/s ({info.peak_source})"
     if not chosen:
-        how = "a matmul calibration in the training dtype" if calibrate else "the datasheet row for the training dtype"
-        return f"peak: not known yet: {how} at the first forward (printed after step 1)"
+        how = "calibrated at the first forward, in the training dtype" if calibrate else (
+            "the datasheet's, for the first forward's dtype")
+        return f"peak: not known yet ({how})"
     return "peak: unknown: MFU is not reported (set peak_flops or calibrate: true in --config)"
 
 

@@ -209,8 +209,9 @@ def test_the_peak_line_is_true_before_and_after_the_first_forward():
     from mfuwatch.agent.schema import RunInfo
 
     assert peak_line(RunInfo(run="r"), calibrate=True) == (
-        "peak: not known yet: a matmul calibration in the training dtype at the first forward (printed after step 1)")
-    assert "the datasheet row" in peak_line(RunInfo(run="r"), calibrate=False)
+        "peak: not known yet (calibrated at the first forward, in the training dtype)")
+    assert peak_line(RunInfo(run="r"), calibrate=False) == (
+        "peak: not known yet (the datasheet's, for the first forward's dtype)")
     info = RunInfo(run="r", peak_flops_per_second=3.666e11, peak_source="calibrated (fp32 matmul)")
     assert peak_line(info, calibrate=True) == "peak: 3.67e+11 FLOP/s (calibrated (fp32 matmul))"
     assert peak_line(RunInfo(run="r"), calibrate=False, chosen=True) == (
@@ -224,7 +225,7 @@ def test_the_demo_prints_the_calibrated_peak_once_known(tmp_path, monkeypatch, c
     assert main(ARGS + ["--steps", "2", "--profile-every", "off", "--timeline", "", "--summary-json", str(s)]) == 0
     summary = json.loads(s.read_text())
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("peak:")]
-    assert lines[0].startswith("peak: not known yet: a matmul calibration")  # before the first forward
+    assert lines[0] == "peak: not known yet (calibrated at the first forward, in the training dtype)"
     assert lines[1] == f"peak: {summary['peak_flops_per_second']:.3g} FLOP/s (calibrated (fp32 matmul))"
     assert summary["peak_flops_per_second"] > 0 and len(lines) == 2
 
