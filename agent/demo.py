@@ -346,7 +346,7 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     mfu_s = f"{m.mfu:6.1%}" if m.mfu is not None else "   n/a"
                     window = "  (profiler window)" if in_profiler_window(m, agent.profiler) else ""
                     con.print(f"step {step:5d}  loss {lv:6.3f}  tokens/s {m.tokens_per_second:10.0f}  MFU {mfu_s}"
-                              f"  (to step {m.step}){window}")
+                              f"  (to step {m.step}){window}", soft_wrap=True)  # one line, however narrow
         except KeyboardInterrupt:  # Ctrl-C: stop training, still flush, summarise and write the report
             con.print(f"[yellow]interrupted at step {step}: finishing the summary[/]")
             a.steps = max(step - 1, 0)
