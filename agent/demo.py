@@ -7,8 +7,9 @@ that is on every machine with no download. On a GPU it trains in bf16 autocast;
 on the CPU in fp32 with the peak measured by a matmul calibration.
 
 Run: ``mfuwatch demo --steps 200`` (or ``make demo``). Live progress shows step,
-loss, tokens/s and MFU; the exporter serves on 127.0.0.1; at the end a summary
-table, an optional ``--summary-json`` and an HTML report are written.
+loss, tokens/s and MFU (``(profiler window)`` marks a report whose steps a profiler
+window slowed); the exporter serves on 127.0.0.1; at the end a summary table, an
+optional ``--summary-json`` and an HTML report are written.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -113,10 +115,33 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _device(text: str) -> str:
+    """``--device``'s value, checked against this machine: "cpu", "cuda" or "cuda:N" (0 <= N < the CUDA device
+    count); cuda needs ``torch.cuda.is_available()``. Raises argparse.ArgumentTypeError otherwise (argparse
+    then prints it under the option's name and exits with status 2)."""
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N a CUDA device index), got {text!r}")
+    if text == "cpu":
+        return text
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch sees no CUDA device (torch.cuda.is_available() is "
+                                         "False); expected cpu, cuda or cuda:N, and here only cpu works")
+    n = torch.cuda.device_count()
+    if ":" in text and int(text.split(":")[1]) >= n:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {n} CUDA device(s); expected cpu, cuda or "
+                                         f"cuda:N with N in cuda:0..cuda:{n - 1}")
+    return text
+
+
+#: the demo's own defaults of two agent settings, used where neither the command line nor the config file sets them
+DEFAULT_TIMELINE = "mfuwatch-demo/timeline.jsonl"
+DEFAULT_PROFILE_EVERY = "50 steps"
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mfuwatch demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=_positive_int, default=600, help="optimizer steps (default 600: ~1.5 min on a 2-core CPU)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--model", choices=sorted(PRESETS), default=None,
                    help="model preset (default: gpu on CUDA, cpu otherwise)")
     p.add_argument("--batch", type=_positive_int, default=None, help="sequences per micro-batch (default: the preset's)")
@@ -128,10 +153,13 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--run-name", "--run", dest="run", default=None,
                    help="run label (default: the config's run, else $MFUWATCH_RUN, else a name shared by the job's ranks); "
                         "under torchrun spell it --run-name (torchrun claims --run)")
-    p.add_argument("--timeline", default="mfuwatch-demo/timeline.jsonl", help="JSONL timeline path ('' = none)")
+    p.add_argument("--timeline", default=None,
+                   help=f"JSONL timeline path ('' = none; default: the config's timeline, else {DEFAULT_TIMELINE})")
     p.add_argument("--report", default="mfuwatch-demo/report.html", help="HTML report written at the end ('' = none)")
     p.add_argument("--summary-json", default=None, help="write the run summary as JSON here")
-    p.add_argument("--profile-every", default="50 steps", help="profiler window cadence ('off' to disable)")
+    p.add_argument("--profile-every", default=None,
+                   help=f"profiler window cadence ('off' to disable; default: the config's profile_every, "
+                        f"else {DEFAULT_PROFILE_EVERY})")
     p.add_argument("--patch-kernels", action="store_true", help="swap in mfuwatch.kernels' fused drop-ins")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--log-every", type=_positive_int, default=10, help="print progress every N steps")
@@ -140,36 +168,102 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def config_overrides(a: argparse.Namespace, user: Mapping[str, Any], *, shape: DemoShape,
+                     device_type: str) -> Tuple[Dict[str, Any], List[str]]:
+    """The agent settings the demo lays over the user's config ``user`` (:func:`~.config.user_settings`' mapping),
+    and one note per value of ``user`` that the demo replaces.
+
+    Per setting: an option given on the command line (``a``, from :func:`_parse`: None = not given) > the
+    config file > the demo's default (:data:`DEFAULT_TIMELINE`, :data:`DEFAULT_PROFILE_EVERY`, ``calibrate``
+    off CUDA). Two settings are the demo's own facts and replace the file's, each with a note when the file
+    says otherwise: ``model_shape`` (the demo's model) and ``progress`` (False: the demo prints its own lines).
+    """
+    over: Dict[str, Any] = {}
+    notes: List[str] = []
+    for key, given, default in (("timeline", a.timeline, DEFAULT_TIMELINE),
+                                ("profile_every", a.profile_every, DEFAULT_PROFILE_EVERY),
+                                ("run", a.run or None, None), ("port", a.port, None)):
+        if given is not None:
+            over[key] = None if (key == "timeline" and not given) else given
+        elif key not in user and default is not None:
+            over[key] = default
+    if device_type != "cuda" and "calibrate" not in user:
+        over["calibrate"] = True  # no datasheet peak for a CPU: measure a matmul
+    over["model_shape"] = {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq}
+    if user.get("model_shape") is not None:
+        notes.append(f"config: model_shape {user['model_shape']} is replaced by the demo model's {over['model_shape']}")
+    over["progress"] = False  # the demo prints its own progress lines (and --quiet silences them)
+    if user.get("progress", False) is not False:
+        notes.append(f"config: progress: {user['progress']} is not used: the demo prints its own progress lines")
+    return over, notes
+
+
+def in_profiler_window(m: Any, sampler: Any) -> bool:
+    """Whether the steps of report ``m`` (a ``StepMeasurement``: steps ``m.step - m.steps + 1 .. m.step``) were
+    timed with a profiler window in them (``sampler``: the agent's ``ProfilerSampler``, None without windows).
+    Such a report's step time includes the profiler's overhead, so its MFU reads low."""
+    return sampler is not None and sampler.profiled(m.step - m.steps + 1, m.step)
+
+
+def _mean(values: List[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def peak_line(info: Any, calibrate: bool, chosen: bool = False) -> str:
+    """The demo's one line about the MFU denominator, from the agent's ``RunInfo`` ``info``.
+
+    The agent chooses the peak when the training dtype is known: at start-up for a ``peak_flops`` or a
+    configured ``dtype``, else at the first forward (a ``calibrate`` matmul measured then, in that dtype, or
+    the GPU's datasheet row). ``chosen``: the first forward has run. Returns the peak in FLOP/s and its source
+    once set, else what it waits for (before the first forward) or that MFU is not reported (after it).
+    """
+    if info.peak_flops_per_second:
+        return f"peak: {info.peak_flops_per_second:.3g} FLOP/s ({info.peak_source})"
+    if not chosen:
+        how = "calibrated at the first forward, in the training dtype" if calibrate else (
+            "the datasheet's, for the first forward's dtype")
+        return f"peak: not known yet ({how})"
+    return "peak: unknown: MFU is not reported (set peak_flops or calibrate: true in --config)"
+
+
 def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     """Run the demo; returns the summary dict (also written to ``--summary-json``)."""
     from rich.console import Console
     from rich.table import Table
 
+    from .config import load_config, user_settings
     from .core import Agent
     from .distributed import rank_from_env
 
     a = _parse(argv)
+    try:
+        rank, local_rank, world = rank_from_env()
+    except ValueError as exc:
+        raise DemoError(str(exc)) from None
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # a.device: checked by _device
+    preset = a.model or ("gpu" if device.type == "cuda" else "cpu")
+    shape = PRESETS[preset]
+    shape = DemoShape(**{**shape.__dict__, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})})
+    user = user_settings(a.config)  # the file (or $MFUWATCH_CONFIG's), as the user wrote it
+    if user:
+        load_config(user)  # every value the user wrote is checked, also those the demo replaces (ConfigError)
+    overrides, notes = config_overrides(a, user, shape=shape, device_type=device.type)
+    cfg = load_config(user, **overrides)
+    timeline_ours = "timeline" in overrides  # the demo's or the command line's path, not the file's
+    a.timeline = cfg.timeline or ""  # the file's "{rank}" replaced by the rank
     if a.report and a.timeline:
         from .report import missing_dependency
 
         missing = missing_dependency()
         if missing:
             raise DemoError(f"{missing} (or pass --report '' to run without the report)")
-    try:
-        rank, local_rank, world = rank_from_env()
-    except ValueError as exc:
-        raise DemoError(str(exc)) from None
     con = Console(quiet=a.quiet or rank != 0, highlight=False)
-    if a.quiet:
-        # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    try:
-        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError as exc:
-        raise DemoError(f"--device: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DemoError("--device cuda: this torch sees no CUDA device (torch.cuda.is_available() is False); "
-                        "use --device cpu")
+    # Kineto prints "USDT: ... profiler_start/stop" at its level 5 for every window; 6 is above all its levels.
+    # The demo owns its process, so it silences them unless the user chose a level; Kineto reads the variable
+    # when the first profiler window initialises it, which is after this line.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    for note in notes:
+        con.print(f"[yellow]{note}[/]")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
     if device.type == "cuda":
@@ -179,9 +273,6 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    preset = a.model or ("gpu" if device.type == "cuda" else "cpu")
-    shape = PRESETS[preset]
-    shape = DemoShape(**{**shape.__dict__, **({"batch": a.batch} if a.batch else {}), **({"seq": a.seq} if a.seq else {})})
     torch.manual_seed(a.seed)
     data = load_stdlib_text()
     batches = ByteBatches(data, shape.batch, shape.seq, device, seed=a.seed + rank)
@@ -203,38 +294,24 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     fwd = torch.compile(fwd) if a.compile else fwd
     amp = device.type == "cuda"
 
-    overrides: Dict[str, Any] = {
-        "timeline": a.timeline or None,
-        "profile_every": a.profile_every,
-        "model_shape": {"n_layers": shape.n_layers, "d_model": shape.d_model, "seq_len": shape.seq},
-        "progress": False,  # the demo prints its own progress lines (and --quiet silences them)
-    }
-    if a.run:  # else the config's run, or its default name ($MFUWATCH_RUN, else one name for all ranks)
-        overrides["run"] = a.run
-    if a.port is not None:
-        overrides["port"] = a.port
-    if device.type != "cuda":
-        overrides["calibrate"] = True  # no datasheet peak for a CPU: measure a matmul
-    from .config import load_config
-
-    cfg = load_config(a.config, **overrides)
-    if a.timeline and world > 1:  # one timeline per rank
+    if a.timeline and world > 1 and timeline_ours:  # one timeline per rank (a file's path says "{rank}" itself)
         stem = Path(a.timeline)
         a.timeline = str(stem.with_name(f"{stem.stem}.rank{rank}{stem.suffix}"))
-        overrides["timeline"] = a.timeline
         cfg.timeline = a.timeline
     if a.timeline:  # appended to, as every timeline (the report shows the file's last run)
         Path(a.timeline).parent.mkdir(parents=True, exist_ok=True)
     con.print(f"[bold]mfuwatch demo[/]: {preset} model, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params, "
               f"{shape.batch}x{shape.seq} tokens x {a.grad_accum} micro-batches per step, device {device}")
     losses: List[float] = []
-    mfus: List[float] = []
+    mfus: List[float] = []  # MFU of each report the progress lines showed
+    mfus_outside: List[float] = []  # ... of those not timed with a profiler window in them
     tps: List[float] = []
     t0 = time.time()
     interrupted = False
     with Agent(fwd, opt, config=cfg) as agent:  # hooks on what the loop calls (DDP / compiled wrapper)
         con.print(f"exporter: {agent.exporter_url or '(off)'}")
-        con.print(f"peak: {agent.run_info.peak_flops_per_second or 0:.3g} FLOP/s ({agent.run_info.peak_source or 'unknown'})")
+        con.print(peak_line(agent.run_info, cfg.calibrate))
+        peak_said = bool(agent.run_info.peak_flops_per_second)
         last_m = None
         step = 0
         try:
@@ -249,6 +326,9 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if not peak_said:  # the first forward chose the peak (measured it, for a calibration)
+                con.print(peak_line(agent.run_info, cfg.calibrate, chosen=True))
+                peak_said = True
             if step % a.log_every == 0 or step == 1 or step == a.steps:
                 lv = loss.item() * a.grad_accum  # host-device sync, once per log interval
                 losses.append(lv)
@@ -258,12 +338,15 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                     tps.append(m.tokens_per_second)
                     if m.mfu is not None:
                         mfus.append(m.mfu)
+                        if not in_profiler_window(m, agent.profiler):
+                            mfus_outside.append(m.mfu)
                 if m is None:
                     con.print(f"step {step:5d}  loss {lv:6.3f}  (first measurement after {cfg.report_every_steps} steps)")
                 else:
                     mfu_s = f"{m.mfu:6.1%}" if m.mfu is not None else "   n/a"
+                    window = "  (profiler window)" if in_profiler_window(m, agent.profiler) else ""
                     con.print(f"step {step:5d}  loss {lv:6.3f}  tokens/s {m.tokens_per_second:10.0f}  MFU {mfu_s}"
-                              f"  (to step {m.step})")
+                              f"  (to step {m.step}){window}", soft_wrap=True)  # one line, however narrow
         except KeyboardInterrupt:  # Ctrl-C: stop training, still flush, summarise and write the report
             con.print(f"[yellow]interrupted at step {step}: finishing the summary[/]")
             a.steps = max(step - 1, 0)
@@ -275,8 +358,10 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     summary = {
         "steps": a.steps, "device": str(device), "model": preset,
         "initial_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-        "mean_mfu": (sum(mfus) / len(mfus)) if mfus else None,
-        "mean_tokens_per_second": (sum(tps) / len(tps)) if tps else None,
+        # means over the reports the progress lines showed; the agent's metrics keep every report as measured
+        "mean_mfu": _mean(mfus),  # profiler windows included: their steps run slower under the profiler
+        "mean_mfu_outside_profiler_windows": _mean(mfus_outside),
+        "mean_tokens_per_second": _mean(tps),
         "peak_flops_per_second": info.peak_flops_per_second, "peak_source": info.peak_source,
         "flops_source": info.flops_source, "dtype": info.dtype,
         "exporter_url": agent.exporter_url, "timeline": a.timeline or None, "elapsed_seconds": elapsed,
@@ -300,12 +385,19 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     t.add_column("measure")
     t.add_column("value", justify="right")
     fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-    summary_view = dict(summary, mean_mfu=f"{summary['mean_mfu']:.1%}" if summary["mean_mfu"] is not None else None)
-    for k in ("steps", "device", "initial_loss", "final_loss", "mean_mfu", "mean_tokens_per_second",
-              "peak_flops_per_second", "peak_source", "flops_source", "exporter_url", "elapsed_seconds"):
-        t.add_row(k, fmt(summary_view[k]))
+    pct = lambda v: None if v is None else f"{v:.1%}"  # noqa: E731
+    summary_view = dict(summary, mean_mfu=pct(summary["mean_mfu"]),
+                        mean_mfu_outside_profiler_windows=pct(summary["mean_mfu_outside_profiler_windows"]))
+    labels = {"mean_mfu": "mean_mfu (shown intervals, profiler windows included)",
+              "mean_mfu_outside_profiler_windows": "mean_mfu (shown intervals outside profiler windows)"}
+    for k in ("steps", "device", "initial_loss", "final_loss", "mean_mfu", "mean_mfu_outside_profiler_windows",
+              "mean_tokens_per_second", "peak_flops_per_second", "peak_source", "flops_source", "exporter_url",
+              "elapsed_seconds"):
+        t.add_row(labels.get(k, k), fmt(summary_view[k]))
     if w is not None:
         t.add_row("memory-bound share (last window)", f"{w.memory_bound_share:.1%}")
+    if summary["timeline"]:
+        t.add_row("timeline", summary["timeline"])
     if summary.get("report"):
         t.add_row("report", summary["report"])
     con.print(t)

@@ -109,6 +109,10 @@ class ProfilerSampler:
         #: window outcomes: ok, error, skipped_other_profiler, too_large (for profile_windows_total{outcome})
         self.windows: Dict[str, int] = collections.Counter()
         self.lasting_slowdown: Optional[float] = None  # relative slowdown seen after a window, if any
+        #: ``[first, last]`` optimizer steps timed with each window in them (the latest 64; written on the training
+        #: thread; ``last`` None while it records): its warm-up and recorded steps, and the step after them, which
+        #: carries the trace export. Their step times include the profiler's overhead (see :meth:`profiled`).
+        self.profiled_steps: collections.deque = collections.deque(maxlen=64)
         self.disabled = False
         self._intervals: collections.deque = collections.deque(maxlen=64)
         self._n = 0  # step boundaries seen
@@ -197,6 +201,7 @@ class ProfilerSampler:
                     return
                 raise
             self._prof = prof
+            self.profiled_steps.append([step + 1, None])
         except Exception as exc:  # noqa: BLE001 - never crash training
             self._fail(exc)
 
@@ -215,6 +220,16 @@ class ProfilerSampler:
             log.warning("mfuwatch: another torch profiler is active; profiler windows are skipped while it runs "
                         "(counted in mfuwatch_profile_windows_total{outcome=\"skipped_other_profiler\"})")
 
+    def profiled(self, first: int, last: int) -> bool:
+        """Whether any of the optimizer steps ``first..last`` (inclusive) was timed with a profiler window in it
+        (:attr:`profiled_steps`; windows older than its latest 64 are not known)."""
+        return any(a <= last and (b is None or first <= b) for a, b in list(self.profiled_steps))
+
+    def _end_profiled(self, step: int) -> None:
+        """The window stopped at this boundary: the next step carries the stop (and the trace export)."""
+        if self.profiled_steps and self.profiled_steps[-1][1] is None:
+            self.profiled_steps[-1][1] = step + 1
+
     def _advance(self, step: int) -> None:
         prof = self._prof
         self._window_step = step  # the window's measurement is stamped with its last step
@@ -229,12 +244,14 @@ class ProfilerSampler:
             self._prof_steps += 1
             if self._prof_steps >= self.warmup_steps + self.active_steps:
                 self._prof = None
+                self._end_profiled(step)
                 prof.stop()
                 if self.cuda:  # CUPTI is a GPU-side concern; CPU step times are too noisy to judge
                     self._watch_at, self._watch_hits = self._n + 2 + 16, 0
                 self._schedule_next(step)
         except Exception as exc:  # noqa: BLE001
             self._prof = None
+            self._end_profiled(step)
             try:
                 prof.stop()
             except Exception:  # noqa: BLE001
@@ -389,6 +406,7 @@ class ProfilerSampler:
         self._stopping = True  # no new window, and a window being stopped now is not exported
         prof, self._prof = self._prof, None
         if prof is not None:
+            self._end_profiled(self._window_step)
             try:
                 prof.stop()
             except Exception:  # noqa: BLE001

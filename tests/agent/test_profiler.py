@@ -146,3 +146,25 @@ def test_lasting_slowdown_after_a_window_is_reported_once_and_stops_windows():
 def test_bad_cadence_fails_fast_naming_the_field(kw, match):
     with pytest.raises(ValueError, match=match):
         ProfilerSampler(device="cpu", on_window=print, on_error=print, **kw)
+
+
+def test_profiled_steps_are_the_steps_a_window_is_timed_in():
+    sink = Sink()
+    sampler = ProfilerSampler(every_steps=3, warmup_steps=1, active_steps=2, device="cpu",
+                              peaks={"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10},
+                              on_window=sink.window, on_error=sink.error)
+    step = _loop()
+    try:
+        for i in range(1, 13):
+            step()
+            sampler.on_step(i)
+            if i == 3:
+                assert list(sampler.profiled_steps) == [[4, None]]  # recording from the next step on
+    finally:
+        sampler.close()
+    assert sink.errors == []
+    # started at boundary 3: warm-up step 4, recorded steps 5-6, and step 7, which carries the trace export;
+    # the next window is due 3 steps after the first ended (boundary 9)
+    assert list(sampler.profiled_steps) == [[4, 7], [10, 13]]
+    assert [sampler.profiled(a, b) for a, b in ((1, 3), (3, 4), (7, 8), (8, 9), (9, 10), (14, 20))] == [
+        False, True, True, False, True, False]
