@@ -209,6 +209,17 @@ def _mean(values: List[float]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
+def short_source(source: str, width: int = 60) -> str:
+    """A peak's source as one short label for the demo's lines: ``source`` itself when at most ``width``
+    characters, else its text before the first " (", ",", ";" or " / " (a datasheet citation's title), cut to
+    ``width`` characters with "…". The summary JSON and the exporter keep the whole citation."""
+    if len(source) <= width:
+        return source
+    cut = min((i for i in (source.find(sep) for sep in (" (", ",", ";", " / ")) if i > 0), default=len(source))
+    head = source[:cut].strip()
+    return head if len(head) <= width else head[:width - 1] + "…"
+
+
 def peak_line(info: Any, calibrate: bool, chosen: bool = False) -> str:
     """The demo's one line about the MFU denominator, from the agent's ``RunInfo`` ``info``.
 
@@ -218,7 +229,7 @@ def peak_line(info: Any, calibrate: bool, chosen: bool = False) -> str:
     once set, else what it waits for (before the first forward) or that MFU is not reported (after it).
     """
     if info.peak_flops_per_second:
-        return f"peak: {info.peak_flops_per_second:.3g} FLOP/s ({info.peak_source})"
+        return f"peak: {info.peak_flops_per_second:.3g} FLOP/s ({short_source(info.peak_source)})"
     if not chosen:
         how = "calibrated at the first forward, in the training dtype" if calibrate else (
             "the datasheet's, for the first forward's dtype")
@@ -387,7 +398,8 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     fmt = lambda v: "n/a" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
     pct = lambda v: None if v is None else f"{v:.1%}"  # noqa: E731
     summary_view = dict(summary, mean_mfu=pct(summary["mean_mfu"]),
-                        mean_mfu_outside_profiler_windows=pct(summary["mean_mfu_outside_profiler_windows"]))
+                        mean_mfu_outside_profiler_windows=pct(summary["mean_mfu_outside_profiler_windows"]),
+                        peak_source=short_source(summary["peak_source"] or ""))
     labels = {"mean_mfu": "mean_mfu (shown intervals, profiler windows included)",
               "mean_mfu_outside_profiler_windows": "mean_mfu (shown intervals outside profiler windows)"}
     for k in ("steps", "device", "initial_loss", "final_loss", "mean_mfu", "mean_mfu_outside_profiler_windows",

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,6 +217,23 @@ def test_the_peak_line_is_true_before_and_after_the_first_forward():
     assert peak_line(info, calibrate=True) == "peak: 3.67e+11 FLOP/s (calibrated (fp32 matmul))"
     assert peak_line(RunInfo(run="r"), calibrate=False, chosen=True) == (
         "peak: unknown: MFU is not reported (set peak_flops or calibrate: true in --config)")
+
+
+def test_a_datasheet_citation_is_shortened_to_its_title_on_the_demos_lines():
+    """The H200 row's citation of agent/data/gpus.yaml (hundreds of characters) shows as the datasheet's title;
+    a short source ("calibrated (fp32 matmul)") is shown whole."""
+    import yaml
+
+    from mfuwatch.agent.demo import short_source
+
+    rows = yaml.safe_load((Path(__file__).resolve().parents[2] / "agent/data/gpus.yaml").read_text())["gpus"]
+    h200 = next(r for r in rows if r["name"].startswith("NVIDIA H200"))
+    assert len(h200["source"]) > 200
+    short = short_source(h200["source"])
+    assert short == h200["source"][:len(short)].strip() and short.startswith("NVIDIA H200") and len(short) <= 60
+    assert not any(sep in short for sep in (" (", ",", ";", " / "))
+    assert short_source("calibrated (fp32 matmul)") == "calibrated (fp32 matmul)"
+    assert short_source("x" * 100) == "x" * 59 + "…"
 
 
 def test_the_demo_prints_the_calibrated_peak_once_known(tmp_path, monkeypatch, capsys):

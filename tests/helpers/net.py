@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import socket
 import urllib.request
 from typing import Dict, Optional, Tuple
@@ -38,12 +39,17 @@ def free_port_pair() -> int:
 def scrape(url: str, *, down_ok: bool = False) -> Optional[Dict[Series, float]]:
     """``{(name, sorted labels): value}`` of every sample a Prometheus endpoint (``.../metrics``) serves,
     parsed with prometheus-client's own parser. An endpoint that does not answer raises OSError, or gives
-    None with ``down_ok=True`` (for polling a server that is starting)."""
+    None with ``down_ok=True`` (for polling a server that is starting).
+
+    With ``down_ok=True`` an answer that is not HTTP (``http.client.HTTPException``) also gives None: the ports of
+    :func:`free_port` come from the kernel's ephemeral range, and a connect to such a port on which nothing
+    listens yet can pick that same port as its source and connect to itself (TCP simultaneous open), so the
+    request comes back as the "status line" (``BadStatusLine: GET /metrics HTTP/1.1``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         if down_ok:
             return None
         raise
