@@ -103,11 +103,15 @@ def test_window_is_skipped_and_said_once_when_another_profiler_runs(caplog):
     assert sink.errors == [] and sink.windows == []
 
 
+def _cpu_sampler(sink, **cadence) -> ProfilerSampler:
+    """A CPU sampler with a 1e11 FLOP/s, 1e10 B/s machine, reporting to ``sink``."""
+    peaks = {"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10}
+    return ProfilerSampler(device="cpu", peaks=peaks, on_window=sink.window, on_error=sink.error, **cadence)
+
+
 def test_close_terminates_a_running_analysis():
     sink = Sink()
-    sampler = ProfilerSampler(every_steps=1, warmup_steps=0, active_steps=1, device="cpu",
-                              peaks={"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10},
-                              on_window=sink.window, on_error=sink.error)
+    sampler = _cpu_sampler(sink, every_steps=1, warmup_steps=0, active_steps=1)
     step = _loop()
     step()
     sampler.on_step(1)  # starts recording
@@ -150,9 +154,7 @@ def test_bad_cadence_fails_fast_naming_the_field(kw, match):
 
 def test_profiled_steps_are_the_steps_a_window_is_timed_in():
     sink = Sink()
-    sampler = ProfilerSampler(every_steps=3, warmup_steps=1, active_steps=2, device="cpu",
-                              peaks={"peak_flops": {"fp32": 1e11}, "memory_bandwidth_bytes_per_second": 1e10},
-                              on_window=sink.window, on_error=sink.error)
+    sampler = _cpu_sampler(sink, every_steps=3, warmup_steps=1, active_steps=2)
     step = _loop()
     try:
         for i in range(1, 13):
