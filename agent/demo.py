@@ -418,10 +418,11 @@ def run(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         for s in w.suggestions:
             con.print(f"  {s.kernel:<14} gain {s.expected_gain:5.1%}  {s.apply}", soft_wrap=True)
     if world > 1:
-        import torch.distributed as dist
+        from .distributed import end_process_group
 
         summary["rank"], summary["world_size"] = rank, world
-        dist.destroy_process_group()
+        del fwd, model, opt, agent  # what holds the process group goes first (end_process_group says why)
+        end_process_group()
     if a.summary_json and world > 1:
         p = Path(a.summary_json)
         a.summary_json = str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))

@@ -14,20 +14,24 @@ needs to be scraped:
   discovery* file (``file_sd_configs``) naming its own exporter, and removes it
   on a clean exit;
 * :func:`scrape_config` — the Prometheus ``scrape_configs`` entry, either
-  reading those files or a static pattern of N nodes x R ranks.
+  reading those files or a static pattern of N nodes x R ranks;
+* :func:`end_process_group` — the end of a script's process group that does not
+  abort the interpreter's exit on gloo (torch 2.13).
 
 Print a scrape config::
 
     python -m mfuwatch.agent.distributed --file-sd-dir /shared/mfuwatch/targets
     python -m mfuwatch.agent.distributed --hosts node01,node02 --ranks-per-node 8
 
-Imports only the standard library (and PyYAML for printing), never torch.
+Imports only the standard library (and PyYAML for printing); torch only inside
+:func:`end_process_group`.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import json
 import logging
 import os
@@ -284,6 +288,31 @@ def scrape_config(job: str = "mfuwatch", *, file_sd_dir: Optional[str] = None,
     else:
         entry["static_configs"] = [{"targets": static_targets(list(hosts or ()), ranks_per_node, base_port)}]
     return {"scrape_configs": [entry]}
+
+
+def end_process_group() -> None:
+    """Destroy the default process group of ``torch.distributed`` so that the process exits cleanly.
+
+    Runs the cyclic garbage collector, then ``torch.distributed.destroy_process_group()``, then the
+    collector again. Objects in reference cycles (a DDP or FSDP module, an optimizer, an autograd graph)
+    can hold the process group's C++ backend; freed only during interpreter finalization, a gloo backend
+    on torch 2.13 (CPU) sometimes aborts the process there (``terminate called without an active
+    exception``, SIGABRT, after the script's work has finished; measured in docs/fleet.md, Known limits).
+    Freeing them while Python still runs avoids it. Release your own references to the models first
+    (``del model``) for the collector to free them.
+
+    A no-op when ``torch.distributed`` is unavailable or not initialized; errors from the destroy call
+    propagate (a script's own shutdown, not the agent's).
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -65,7 +65,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402,F401  (imported before any agent: its save/load get hooked)
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from mfuwatch.agent import Agent
+from mfuwatch.agent import Agent  # noqa: E402
+from mfuwatch.agent.distributed import end_process_group  # noqa: E402
 from mfuwatch.agent.flops import op_flops  # noqa: E402
 from mfuwatch.agent.live.timeline import read_timeline  # noqa: E402
 
@@ -682,7 +683,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if ctx.rank == 0:
                 print(f"[{p}: {'PASS' if results[p] else 'FAIL'} in {time.perf_counter() - t:.1f} s]\n", flush=True)
     finally:
-        dist.destroy_process_group()
+        del ctx
+        end_process_group()
     return 0 if all(results.values()) else 1
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mfuwatch.agent.distributed import end_process_group
 from tests.helpers.net import free_port
 
 transformers = pytest.importorskip("transformers")
@@ -36,7 +37,7 @@ def _worker(rank, port, out):
             _check(rank, mode)
         out[rank] = 1
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def _check(rank, mode):
