@@ -221,7 +221,7 @@ def test_prometheus_discovers_every_rank_through_file_sd(tmp_path):
             a.close()
 
 
-def test_end_process_group_frees_a_ddp_cycle_before_destroying_the_group(tmp_path):
+def test_end_process_group_frees_a_ddp_cycle_before_destroying_the_group(tmp_path, monkeypatch):
     """A DDP module kept alive only by a reference cycle is freed by the collection before the destroy (what
     the gloo exit abort needs, docs/fleet.md); afterwards no group is left, and a second call is a no-op."""
     import gc
@@ -230,8 +230,6 @@ def test_end_process_group_frees_a_ddp_cycle_before_destroying_the_group(tmp_pat
     import torch
     import torch.distributed as dist
 
-    from mfuwatch.agent.distributed import end_process_group
-
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     gc.disable()  # only end_process_group's own collection may free the cycle
     try:
@@ -239,21 +237,14 @@ def test_end_process_group_frees_a_ddp_cycle_before_destroying_the_group(tmp_pat
         ddp.loop = [ddp]  # a cycle: refcounting alone never frees it
         alive = weakref.ref(ddp)
         del ddp
-        assert alive() is not None and dist.is_initialized()
-        destroy, seen = dist.destroy_process_group, []
-
-        def spy(*args, **kwargs):
-            seen.append(alive() is None)  # the module already freed when the group goes
-            return destroy(*args, **kwargs)
-
-        dist.destroy_process_group = spy
-        try:
-            end_process_group()
-        finally:
-            dist.destroy_process_group = destroy
-        assert seen == [True]
-        assert not dist.is_initialized()
-        end_process_group()  # nothing initialized: returns
+        assert alive() is not None
+        destroy, freed_at_destroy = dist.destroy_process_group, []
+        monkeypatch.setattr(dist, "destroy_process_group",
+                            lambda *a, **k: (freed_at_destroy.append(alive() is None), destroy(*a, **k)))
+        d.end_process_group()
+        assert freed_at_destroy == [True] and not dist.is_initialized()
+        d.end_process_group()  # nothing initialized: returns without calling the destroy
+        assert freed_at_destroy == [True]
     finally:
         gc.enable()
         if dist.is_initialized():

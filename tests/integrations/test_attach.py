@@ -24,7 +24,6 @@ import yaml
 from torch import nn
 
 from mfuwatch.agent.attach import attach_env, bootstrap_dir
-from mfuwatch.agent.distributed import end_process_group
 from mfuwatch.agent.live.timeline import read_timeline
 
 SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "attach" / "plain_train.py"
@@ -433,7 +432,7 @@ def test_unwrap_data_parallel_wrappers_but_not_compile(tmp_path):
     try:
         assert unwrap(nn.parallel.DistributedDataParallel(net)) is net
     finally:
-        end_process_group()
+        dist.destroy_process_group()
     compiled = torch.compile(net, backend="eager")
     assert unwrap(compiled) is compiled
 
@@ -472,7 +471,7 @@ def test_attach_through_fsdp2_keeps_the_module_fully_shard_changed_in_place(atta
         assert a.state == "attached" and a.model is net and type(net).__name__ == "FSDPNet"
         a.agent.close()
     finally:
-        end_process_group()
+        dist.destroy_process_group()
     steps = _steps(tmp_path / "tl.jsonl")
     assert [s["step"] for s in steps] == [2, 3, 4] and all(s["tokens"] == 16 for s in steps)
     assert all(s["model_flops"] == 6 * (16 * 16 + 16 * 32) * 16 for s in steps)
