@@ -299,7 +299,8 @@ def end_process_group() -> None:
     on torch 2.13 (CPU) sometimes aborts the process there (``terminate called without an active
     exception``, SIGABRT, after the script's work has finished; measured in docs/fleet.md, Known limits).
     Freeing them while Python still runs avoids it. Release your own references to the models first
-    (``del model``) for the collector to free them.
+    (``del model``) for the collector to free them, and call it last: torch lets a DDP module or a
+    subgroup be used after the destroy without an error, and such use brings the abort back.
 
     A no-op when ``torch.distributed`` is unavailable or not initialized; errors from the destroy call
     propagate (a script's own shutdown, not the agent's).
